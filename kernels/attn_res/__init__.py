@@ -1,0 +1,111 @@
+"""Block AttnRes depth attention: the softmax-over-depth mix every sublayer's input comes from.
+
+    out[t] = sum_i a_i[t] v_i[t],   a[t] = softmax_i( w . RMSNorm_gamma(v_i[t]) )
+
+(DESIGN.md section 4; fp32 logits, one head, no scale; docs/attn_res.md has the details.)
+
+Entry point: :func:`depth_attention`. Implementations:
+
+* ``"triton"``: fused kernel (``fused.py``): one read of the sources in forward, two
+  passes over each token tile in backward, nothing but the inputs saved.
+* ``"torch"``: plain-PyTorch maths (``naive.py``) behind a custom autograd.Function with the
+  same memory behaviour (inputs saved, everything recomputed in backward).
+* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.attn_res.naive import depth_attention_recompute, depth_attention_reference
+
+__all__ = ["depth_attention", "depth_attention_reference", "IMPLEMENTATIONS", "SUPPORTED_DTYPES"]
+
+IMPLEMENTATIONS = ("auto", "triton", "torch")
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_SOURCES = 64  # the kernel unrolls over n at compile time; the model uses n ~ 1..20
+MAX_HIDDEN_TRITON = 32768  # the kernel keeps whole rows (h padded to a power of two) in registers
+
+
+def depth_attention(
+    sources: torch.Tensor | Sequence[torch.Tensor],
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float = 1e-6,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Softmax-weighted mix of n sources over depth, one weight per (token, source).
+
+    Args:
+        sources: either a sequence of n tensors ``[s, b, h]`` (embedding, finished block sums,
+            partial sum: pass them as they are, nothing is stacked or copied), or one stacked
+            tensor ``[n, s, b, h]``. Any leading token dims work (``[..., h]``); all sources
+            share shape, dtype (bf16/fp16/fp32) and device. Non-contiguous sources are copied.
+        query: the sublayer's pseudo-query ``w``, shape ``[h]`` (an fp32 parameter,
+            initialised to zero so training starts from the uniform average).
+        norm_weight: the RMSNorm weight ``gamma`` applied to the sources, shape ``[h]``.
+        eps: RMSNorm epsilon.
+        impl: ``"auto"``, ``"triton"`` or ``"torch"`` (see module docstring).
+
+    Returns:
+        ``[s, b, h]`` (one source's shape) in the sources' dtype; accumulation is fp32.
+        Gradients flow to every source, ``query`` and ``norm_weight`` (in their dtypes).
+    """
+    stacked, flat, token_shape = _validate_and_flatten(sources, query, norm_weight, impl)
+    if impl == "auto":
+        impl = "triton" if flat[0].is_cuda else "torch"
+    if impl == "triton":
+        if flat[0].shape[-1] > MAX_HIDDEN_TRITON:
+            raise ValueError(f"impl='triton' supports h <= {MAX_HIDDEN_TRITON}, got h={flat[0].shape[-1]}")
+        from kernels.attn_res.fused import FusedDepthAttention  # triton imported on first use
+
+        out = FusedDepthAttention.apply(query, norm_weight, float(eps), stacked, *flat)
+    else:
+        out = depth_attention_recompute(flat[0] if stacked else flat, query, norm_weight, float(eps))
+    return out.view(token_shape)
+
+
+def _validate_and_flatten(sources, query, norm_weight, impl):
+    """Returns (stacked, flat tensors [n, T, h] or n x [T, h], one source's shape)."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
+    if isinstance(sources, torch.Tensor):
+        if sources.dim() < 2 or sources.shape[0] < 1:
+            raise ValueError(
+                f"sources as one tensor must be stacked [n, ..., h] with n >= 1, got shape {tuple(sources.shape)}"
+            )
+        members = [sources[0]]
+    else:
+        members = list(sources)
+        if not members or not all(isinstance(t, torch.Tensor) for t in members):
+            raise ValueError("sources must be a tensor [n, ..., h] or a non-empty sequence of tensors [..., h]")
+    first = members[0]
+    if first.dim() < 1:
+        raise ValueError("each source must have a hidden dim: shape [..., h]")
+    hidden = first.shape[-1]
+    for idx, t in enumerate(members):
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(
+                f"sources[{idx}] is {tuple(t.shape)} {t.dtype} on {t.device}; all sources must match "
+                f"sources[0] ({tuple(first.shape)} {first.dtype} on {first.device})"
+            )
+    if first.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"sources dtype must be one of {SUPPORTED_DTYPES}, got {first.dtype}")
+    for name, param in (("query", query), ("norm_weight", norm_weight)):
+        if param.shape != (hidden,):
+            raise ValueError(f"{name} must have shape [h] = [{hidden}], got {tuple(param.shape)}")
+        if param.device != first.device:
+            raise ValueError(f"{name} is on {param.device} but the sources are on {first.device}")
+    if isinstance(sources, torch.Tensor):
+        n = sources.shape[0]
+        _check_source_count(n)
+        return True, [sources.contiguous().view(n, -1, hidden)], first.shape
+    _check_source_count(len(members))
+    return False, [t.contiguous().view(-1, hidden) for t in members], first.shape
+
+
+def _check_source_count(n: int) -> None:
+    if not 1 <= n <= MAX_SOURCES:
+        raise ValueError(f"number of sources must be in [1, {MAX_SOURCES}], got {n}")
