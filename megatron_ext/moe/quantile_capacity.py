@@ -1,0 +1,182 @@
+"""Capacity mode of quantile balancing: a hard per-expert capacity enforced in the forward pass.
+
+Algorithm (rounds of proposals; every decision depends only on global statistics and on the
+global token order, so W ranks produce exactly the one-rank assignment of the concatenated
+batch, rank 0's tokens first):
+
+1. Each token with free slots proposes to its best untried experts (by biased score) that
+   still have room, one proposal per free slot. Round 1 is the plain top-k.
+2. Every rank histograms the scores of the proposals it holds, per expert; one all-reduce of
+   the ``[E, num_bins]`` int64 counts gives the global demand ``D_j`` (round 1 also carries the
+   token count, which fixes the capacity ``C``).
+3. Expert j with ``D_j <= room_j`` accepts everything. Otherwise it accepts its ``room_j``
+   best-scoring proposals: the global histogram locates the bin holding the lowest accepted
+   rank; bins above it are accepted, bins below refused, and the boundary bin is resolved
+   exactly in global token order from a tiny ``[world, E]`` all-reduce of each rank's count in
+   that bin (each rank admits after its exclusive prefix). Interpolated thresholds alone could
+   over-fill an expert whenever the boundary bin holds several proposals.
+4. Refused proposals leave their experts full, so the next round only goes elsewhere; stop when
+   a round refuses nothing, or when no refused token has an expert with room left.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.moe.quantile_histogram import bin_of_rank, histogram_bins, histogram_counts
+from megatron_ext.moe.quantile_routing import Routing, biased_scores, check_scores, gates_from_scores
+
+__all__ = ["expert_capacity", "capacity_routing"]
+
+
+def expert_capacity(num_tokens_global: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """``ceil(capacity_factor * num_tokens_global * k / num_experts)``: the (token, expert) pairs
+    one expert accepts, summed over the group. Rounded to 1e-9 first so that float noise in
+    ``capacity_factor`` (e.g. 1.1) cannot add a slot."""
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if num_experts < 1 or k < 1 or num_tokens_global < 0:
+        raise ValueError(f"need num_experts >= 1, k >= 1, num_tokens_global >= 0; got "
+                         f"{num_experts}, {k}, {num_tokens_global}")
+    return math.ceil(round(capacity_factor * num_tokens_global * k / num_experts, 9))
+
+
+def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def _propose(biased, experts, free, room, k):
+    """Each row's best ``free`` experts by biased score among those with room it does not
+    already hold. Returns proposals ``[M, k]`` and their validity."""
+    num_experts = biased.shape[1]
+    held = torch.zeros(biased.shape[0], num_experts + 1, dtype=torch.bool, device=biased.device)
+    held.scatter_(1, torch.where(experts >= 0, experts, num_experts), True)  # -1 -> spare column
+    unavailable = held[:, :num_experts] | (room <= 0).unsqueeze(0)
+    values, proposals = biased.masked_fill(unavailable, -math.inf).topk(k, dim=1)
+    slot = torch.arange(k, device=biased.device)
+    return proposals, (slot < free.unsqueeze(1)) & (values > -math.inf)
+
+
+def _boundary_admission(proposals, valid, bins, boundary, admit_in_boundary, group):
+    """Which proposals sitting in their expert's boundary bin are admitted: the first
+    ``admit_in_boundary[j]`` of expert j's boundary-bin proposals in global token order."""
+    num_experts = boundary.shape[0]
+    in_boundary = valid & (bins == boundary[proposals])
+    expert_or_spare = torch.where(in_boundary, proposals, num_experts).reshape(-1)
+    local = torch.bincount(expert_or_spare, minlength=num_experts + 1)
+    # Rank order inside each expert's boundary bin: row-major order is token order.
+    order = torch.sort(expert_or_spare, stable=True).indices
+    start = local.cumsum(0) - local
+    position = torch.empty_like(order)
+    position[order] = torch.arange(order.numel(), device=order.device) - start[expert_or_spare[order]]
+    if group is None:
+        prefix = torch.zeros_like(boundary)
+    else:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        per_rank = torch.zeros(world, num_experts, dtype=torch.int64, device=proposals.device)
+        per_rank[rank] = local[:num_experts]
+        _all_reduce(per_rank, group)
+        prefix = per_rank[:rank].sum(dim=0)
+    position = position.view_as(proposals) + prefix[proposals]
+    return in_boundary & (position < admit_in_boundary[proposals])
+
+
+def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bias: torch.Tensor | None = None,
+                     num_bins: int = 1000, score_range: tuple[float, float] = (0.0, 1.0),
+                     group=None, renormalize: bool = True, max_rounds: int | None = None) -> Routing:
+    """Top-k routing where expert j accepts at most ``C = expert_capacity(N_global, k, E,
+    capacity_factor)`` pairs over all ranks of ``group`` (None: this process alone).
+
+    ``bias`` shifts selection only; gates are the unbiased scores of the final experts
+    (renormalised over the kept ones unless ``renormalize=False``). ``score_range`` is the
+    histogram range (sigmoid/softmax scores lie in [0, 1]); scores outside it fall in the edge
+    bins, which coarsens who wins a contested expert but never breaks the capacity.
+    ``max_rounds`` caps the overflow rounds (None: until nothing can move; at most E + 1).
+    Slots are ordered by biased score, best first, dropped (-1) last.
+
+    Collectives per call: one all-reduce of ``E * num_bins`` int64 (+1) per round, plus one of
+    ``world * E`` int64 in rounds where some expert is over-subscribed; one host sync per round.
+    """
+    check_scores(scores, k, bias)
+    if not isinstance(num_bins, int) or num_bins < 1:
+        raise ValueError(f"num_bins must be a positive int, got {num_bins!r}")
+    lo, hi = score_range
+    if not hi > lo:
+        raise ValueError(f"score_range must be (lo, hi) with hi > lo, got {score_range}")
+    if max_rounds is not None and max_rounds < 1:
+        raise ValueError(f"max_rounds must be >= 1 or None, got {max_rounds}")
+    num_tokens, num_experts = scores.shape
+    device = scores.device
+    biased = biased_scores(scores, bias)
+    experts = torch.full((num_tokens, k), -1, dtype=torch.int64, device=device)
+    rows = torch.arange(num_tokens, device=device)  # tokens that may still move
+    room = None
+    round_index = 0
+    while max_rounds is None or round_index < max_rounds:
+        if room is None:
+            proposals = biased.topk(k, dim=1).indices
+            valid = torch.ones_like(proposals, dtype=torch.bool)
+            top_k = proposals
+        else:
+            held = experts[rows]
+            proposals, valid = _propose(biased[rows], held, (held < 0).sum(1), room, k)
+        proposal_scores = scores[rows].gather(1, proposals)
+        hist = histogram_counts(proposals, proposal_scores, lo, hi, num_bins, num_experts, valid)
+        # The token count rides along (fixed shape); round 1 uses it to fix the capacity.
+        packed = torch.cat([hist.reshape(-1), hist.new_tensor([num_tokens])])
+        _all_reduce(packed, group)
+        hist = packed[:-1].view(num_experts, num_bins)
+        if room is None:
+            capacity = expert_capacity(int(packed[-1]), k, num_experts, capacity_factor)
+            room = torch.full((num_experts,), capacity, dtype=torch.int64, device=device)
+        demand = hist.sum(dim=1)
+        refused = (demand - room).clamp(min=0)
+        oversubscribed = refused > 0
+        total_demand, any_refused = (int(x) for x in torch.stack([demand.sum(), refused.sum()]).tolist())
+        if total_demand == 0:
+            break
+        accepted = valid.clone()
+        if any_refused:
+            # Refuse the `refused[j]` lowest scores: the lowest admitted one has ascending rank
+            # refused[j]; bins above its bin are in, bins below are out.
+            boundary, below = bin_of_rank(hist, refused)
+            boundary = torch.where(oversubscribed, boundary, -1)
+            in_boundary_bin = hist.gather(1, boundary.clamp(min=0).unsqueeze(1)).squeeze(1)
+            admit_in_boundary = torch.where(oversubscribed, in_boundary_bin - (refused - below), 0)
+            bins = histogram_bins(proposal_scores, lo, hi, num_bins)
+            admitted = _boundary_admission(proposals, valid, bins, boundary, admit_in_boundary, group)
+            accepted = valid & ((bins > boundary[proposals]) | admitted)
+        room = room - demand.minimum(room)
+        # Write accepted proposals into each row's free slots, after the ones it holds.
+        held = experts[rows]
+        slot = (held >= 0).sum(1, keepdim=True) + accepted.cumsum(1) - 1
+        slot = torch.where(accepted, slot, k)  # spare column for the rest
+        widened = torch.cat([held, held.new_full((held.shape[0], 1), -1)], dim=1)
+        widened.scatter_(1, slot, torch.where(accepted, proposals, -1))
+        experts[rows] = widened[:, :k]
+        round_index += 1
+        if not any_refused:
+            break
+        # Only tokens just refused can gain anything: the others got all they asked for, and
+        # room never grows back.
+        rows = rows[(valid & ~accepted).any(dim=1)]
+    return _finish(scores, biased, experts, top_k, renormalize)
+
+
+def _finish(scores, biased, experts, top_k, renormalize) -> Routing:
+    kept = experts >= 0
+    order = biased.gather(1, experts.clamp(min=0)).masked_fill(~kept, -math.inf).argsort(dim=1, descending=True, stable=True)
+    experts = experts.gather(1, order)
+    kept = experts >= 0
+    in_top_k = (experts.unsqueeze(2) == top_k.unsqueeze(1)).any(dim=2)
+    return Routing(
+        experts=experts,
+        gates=gates_from_scores(scores, experts, renormalize),
+        dropped=(~kept).sum(),
+        rerouted=(kept & ~in_top_k).sum(),
+    )

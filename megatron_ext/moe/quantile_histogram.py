@@ -1,0 +1,75 @@
+"""Per-row histograms over a fixed range, and locating ranks/quantiles in them.
+
+Both quantile-balancing modes build one histogram row per expert, sum it over ranks (the
+counts are int64, so sums are exact and every rank sees the same numbers), then find where a
+given rank falls: capacity mode resolves the boundary bin exactly, dual-bias mode interpolates
+inside it (:func:`histogram_quantile`). :func:`bin_of_rank` is the piece both share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["histogram_bins", "histogram_counts", "bin_of_rank", "histogram_quantile"]
+
+Bound = float | torch.Tensor
+
+
+def histogram_bins(values: torch.Tensor, lo: Bound, hi: Bound, num_bins: int) -> torch.Tensor:
+    """int64 bin index of each value in ``num_bins`` equal bins over ``[lo, hi]``; values outside
+    the range land in the edge bins."""
+    scaled = (values - lo) * (num_bins / (hi - lo))
+    return scaled.floor().clamp_(0, num_bins - 1).long()
+
+
+def histogram_counts(rows: torch.Tensor, values: torch.Tensor, lo: Bound, hi: Bound, num_bins: int,
+                     num_rows: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 counts ``[num_rows, num_bins]``: ``values[m]`` counted in row ``rows[m]`` where
+    ``valid[m]`` (all when None). Fixed output shape and no host sync, so it can be all-reduced."""
+    flat = rows * num_bins + histogram_bins(values, lo, hi, num_bins)
+    if valid is not None:
+        flat = torch.where(valid, flat, num_rows * num_bins)  # one spare bin swallows the invalid
+    counts = torch.bincount(flat.reshape(-1), minlength=num_rows * num_bins + 1)
+    return counts[: num_rows * num_bins].view(num_rows, num_bins)
+
+
+def bin_of_rank(counts: torch.Tensor, rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the bin holding the element of 0-based ascending ``rank`` and the number of
+    elements in lower bins. Ranks past the end give the last bin."""
+    cum = counts.cumsum(dim=1)
+    last = counts.shape[1] - 1
+    bin_index = (cum <= rank.unsqueeze(1)).sum(dim=1).clamp_(max=last)
+    below = (cum - counts).gather(1, bin_index.unsqueeze(1)).squeeze(1)
+    return bin_index, below
+
+
+def histogram_quantile(counts: torch.Tensor, lo: Bound, hi: Bound, q: float | torch.Tensor) -> torch.Tensor:
+    """Per-row ``q``-quantile (fp32 ``[rows]``) of values binned into ``counts`` over ``[lo, hi]``.
+
+    Same convention as ``torch.quantile(..., interpolation="linear")``: position ``q * (n - 1)``
+    between the sorted values. Inside a bin the ``c`` elements are placed at the midpoints of
+    ``c`` equal sub-intervals, so each estimated element lies in its true bin and the result is
+    within one bin width of the exact quantile whenever the values lie in ``[lo, hi]``.
+    ``counts`` may be int64 or fp32 (summed in fp64 here); empty rows give NaN.
+    """
+    if counts.dim() != 2:
+        raise ValueError(f"counts must be a 2-D [rows, num_bins] tensor, got shape {tuple(counts.shape)}")
+    if isinstance(q, float | int) and not 0.0 <= q <= 1.0:
+        raise ValueError(f"q must be in [0, 1], got {q}")
+    num_bins = counts.shape[1]
+    counts = counts.double()
+    n = counts.sum(dim=1)
+    position = q * (n - 1).clamp(min=0)
+    rank0 = position.floor()
+    rank1 = (rank0 + 1).minimum((n - 1).clamp(min=0))
+
+    def bin_units(rank):  # the element's estimated position, in bin widths above lo
+        bin_index, below = bin_of_rank(counts, rank)
+        in_bin = counts.gather(1, bin_index.unsqueeze(1)).squeeze(1)
+        return bin_index + (rank - below + 0.5) / in_bin
+
+    u0 = bin_units(rank0)
+    units = u0 + (position - rank0) * (bin_units(rank1) - u0)
+    units = torch.where(n > 0, units, torch.nan)
+    width = (hi - lo) / num_bins
+    return (lo + units * width).float()

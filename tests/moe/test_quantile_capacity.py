@@ -1,0 +1,134 @@
+import pytest
+import torch
+
+from megatron_ext.moe.quantile import capacity_routing, expert_capacity, histogram_bins, topk_routing
+
+
+def skewed_scores(n, e, seed=0, skew=2.0):
+    """Sigmoid scores with strong per-expert offsets, so a few experts are over-subscribed."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.linspace(-skew, skew, e)[torch.randperm(e, generator=g)]
+    return (torch.randn(n, e, generator=g) + offsets).sigmoid()
+
+
+def loads(experts, e):
+    return torch.bincount(experts[experts >= 0], minlength=e)
+
+
+def reference_capacity_routing(scores, k, capacity, num_bins, bias=None):
+    """Loop-by-loop statement of the rules: each round a token proposes to its best experts that
+    have room and it does not hold, one per free slot; an expert takes its best proposals by
+    score bin, ties in token order, up to its room."""
+    n, e = scores.shape
+    biased = scores if bias is None else scores + bias
+    bins = histogram_bins(scores, 0.0, 1.0, num_bins)
+    held = [[] for _ in range(n)]
+    room = [capacity] * e
+    while True:
+        proposals = {j: [] for j in range(e)}
+        for i in range(n):
+            free = k - len(held[i])
+            order = sorted(range(e), key=lambda j: -biased[i, j].item())
+            options = [j for j in order if room[j] > 0 and j not in held[i]][:free]
+            for j in options:
+                proposals[j].append(i)
+        if not any(proposals.values()):
+            break
+        for j, tokens in proposals.items():
+            tokens.sort(key=lambda i: (-bins[i, j].item(), i))
+            for i in tokens[: room[j]]:
+                held[i].append(j)
+            room[j] -= min(room[j], len(tokens))
+    return held
+
+
+@pytest.mark.parametrize("capacity_factor", [0.6, 1.0, 1.3])
+def test_capacity_routing_matches_the_loop_reference(capacity_factor):
+    n, e, k = 48, 8, 3
+    scores = skewed_scores(n, e, seed=3)
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(4)) * 0.2
+    num_bins = 16  # coarse on purpose: many ties inside boundary bins
+    routing = capacity_routing(scores, k, capacity_factor, bias=bias, num_bins=num_bins)
+    held = reference_capacity_routing(scores, k, expert_capacity(n, k, e, capacity_factor), num_bins, bias)
+    for i in range(n):
+        got = sorted(j for j in routing.experts[i].tolist() if j >= 0)
+        assert got == sorted(held[i]), f"token {i}"
+    assert routing.dropped.item() == sum(k - len(h) for h in held)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 0.8, 1.0, 1.25, 2.0])
+@pytest.mark.parametrize("num_bins", [4, 1000])
+def test_capacity_is_a_hard_cap_and_nobody_loses_an_expert_that_has_room(capacity_factor, num_bins):
+    n, e, k = 300, 16, 4
+    scores = skewed_scores(n, e, seed=1)
+    routing = capacity_routing(scores, k, capacity_factor, num_bins=num_bins)
+    capacity = expert_capacity(n, k, e, capacity_factor)
+    load = loads(routing.experts, e)
+    assert load.max().item() <= capacity
+    # A token short of k experts: every expert it does not hold is full.
+    for i in torch.nonzero((routing.experts < 0).any(dim=1)).flatten().tolist():
+        held = set(routing.experts[i][routing.experts[i] >= 0].tolist())
+        assert all(load[j].item() == capacity for j in range(e) if j not in held), f"token {i}"
+    # No token holds an expert twice.
+    kept = routing.experts.clamp(min=-1)
+    for row in kept.tolist():
+        ids = [j for j in row if j >= 0]
+        assert len(ids) == len(set(ids))
+
+
+def test_dropped_count_is_exact_when_over_full():
+    n, e, k, cf = 256, 16, 4, 0.75
+    routing = capacity_routing(skewed_scores(n, e, seed=2), k, cf)
+    capacity = expert_capacity(n, k, e, cf)
+    # Total demand exceeds total capacity and overflow can go anywhere: every expert fills up.
+    assert loads(routing.experts, e).tolist() == [capacity] * e
+    assert routing.dropped.item() == n * k - e * capacity == int((routing.experts < 0).sum())
+
+
+def test_every_token_keeps_k_experts_when_capacity_leaves_room():
+    n, e, k, cf = 300, 16, 4, 1.5  # (e - k + 1) * capacity > n * k: no drop is possible
+    scores = skewed_scores(n, e, seed=5)
+    routing = capacity_routing(scores, k, cf)
+    assert routing.dropped.item() == 0 and bool((routing.experts >= 0).all())
+    top_k = topk_routing(scores, k).experts
+    outside = ~(routing.experts.unsqueeze(2) == top_k.unsqueeze(1)).any(dim=2)
+    assert routing.rerouted.item() == int(outside.sum()) > 0  # skew forces overflow
+    assert loads(routing.experts, e).max().item() <= expert_capacity(n, k, e, cf)
+
+
+def test_gates_are_unbiased_scores_renormalised_over_kept_experts():
+    n, e, k = 200, 16, 4
+    scores = skewed_scores(n, e, seed=6)
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(7))
+    routing = capacity_routing(scores, k, 0.8, bias=bias)
+    kept = routing.experts >= 0
+    raw = scores.gather(1, routing.experts.clamp(min=0)) * kept
+    some = kept.any(dim=1)
+    torch.testing.assert_close(routing.gates[some], raw[some] / raw[some].sum(1, keepdim=True))
+    torch.testing.assert_close(routing.gates.sum(1)[some], torch.ones(int(some.sum())))
+    assert bool((routing.gates[~kept] == 0).all())
+    plain = capacity_routing(scores, k, 0.8, bias=bias, renormalize=False)
+    assert torch.equal(plain.experts, routing.experts)
+    torch.testing.assert_close(plain.gates, raw)
+
+
+def test_ample_capacity_is_plain_topk():
+    scores = skewed_scores(128, 16, seed=8)
+    bias = torch.randn(16, generator=torch.Generator().manual_seed(9)) * 0.1
+    routing = capacity_routing(scores, 4, 16.0, bias=bias)
+    plain = topk_routing(scores, 4, bias)
+    assert torch.equal(routing.experts, plain.experts)
+    torch.testing.assert_close(routing.gates, plain.gates)
+    assert routing.dropped.item() == 0 and routing.rerouted.item() == 0
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(capacity_factor=0.0), "capacity_factor"),
+    (dict(num_bins=0), "num_bins"),
+    (dict(score_range=(1.0, 0.0)), "score_range"),
+    (dict(max_rounds=0), "max_rounds"),
+])
+def test_capacity_routing_rejects_bad_arguments(bad, match):
+    kwargs = dict(capacity_factor=1.0) | bad
+    with pytest.raises(ValueError, match=match):
+        capacity_routing(torch.rand(8, 4), 2, **kwargs)
