@@ -1,0 +1,202 @@
+"""Device-agnostic top-k MoE router with a choice of load balancer.
+
+``TopKRouter`` turns hidden states ``[N, h]`` into a :class:`~megatron_ext.moe.quantile.Routing`
+(experts ``[N, k]``, fp32 gates ``[N, k]``). Logits, scores and every statistic are fp32.
+Selection may use the fp32 ``expert_bias`` buffer; gates always come from the unbiased scores.
+
+Balancers (``config.moe_balancer``):
+
+* ``"none"``: plain top-k.
+* ``"aux_loss"``: Switch-style loss ``coeff * E * sum_j f_j * P_j`` on this rank's tokens,
+  injected into backward by :class:`AuxLossInjector` (the forward activations are unchanged).
+* ``"sign_bias"``: loss-free bias, ``b_j += u * sign(mean_load - load_j)`` once per optimizer
+  step from loads summed over the step's microbatches and the data/expert group
+  (:meth:`TopKRouter.update_expert_bias`).
+* ``"qb_capacity"``, ``"qb_bias"``, ``"qb_both"``: quantile balancing, not wired in yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core.transformer.module import MegatronModule
+from megatron_ext.moe.quantile import Routing, topk_routing
+
+__all__ = ["TopKRouter", "AuxLossInjector", "BALANCERS", "expert_counts", "init_on_cpu", "param_device"]
+
+BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
+_BIASED_BALANCERS = ("sign_bias", "qb_bias", "qb_both")
+_NOT_YET = ("qb_capacity", "qb_bias", "qb_both")
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 ``[E]`` number of kept (token, slot) pairs per expert; ``-1`` (dropped) is ignored."""
+    flat = experts.reshape(-1)
+    # Dropped pairs go to an overflow bin that is cut off, which avoids a boolean-mask host sync.
+    return torch.bincount(flat.where(flat >= 0, num_experts), minlength=num_experts + 1)[:num_experts]
+
+
+def param_device(config) -> torch.device:
+    """Where parameters live: the current CUDA device unless CPU initialisation is asked for."""
+    if torch.cuda.is_available() and not config.use_cpu_initialization:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_on_cpu(shape, init_method, seed: int, perform_initialization: bool = True) -> torch.Tensor:
+    """fp32 CPU tensor filled by ``init_method`` from a private seed.
+
+    Using a private seed (and the CPU) makes the values independent of the device and of how
+    the surrounding model is split, so EP=1 and EP=N layers start from the same weights.
+    """
+    tensor = torch.zeros(shape, dtype=torch.float32)
+    if perform_initialization:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            init_method(tensor)
+    return tensor
+
+
+class AuxLossInjector(torch.autograd.Function):
+    """Identity on ``activations`` whose backward also seeds ``d aux_loss = scale``.
+
+    The scale is the one Megatron's pipeline schedule sets for its own aux losses
+    (``MoEAuxLossAutoScaler.main_loss_backward_scale``: loss scale / num microbatches), so the
+    aux loss is weighted like the main loss; 1.0 when no schedule has set it.
+    """
+
+    @staticmethod
+    def forward(ctx, activations: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return activations.view_as(activations)
+
+    @staticmethod
+    def backward(ctx, grad_activations: torch.Tensor):
+        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
+
+        (aux_loss,) = ctx.saved_tensors
+        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+        grad_aux = torch.ones_like(aux_loss) if scale is None else torch.ones_like(aux_loss) * scale.to(aux_loss)
+        return grad_activations, grad_aux
+
+
+def _choose_balancer(config) -> str:
+    balancer = getattr(config, "moe_balancer", "none")
+    if balancer not in BALANCERS:
+        raise ValueError(f"moe_balancer must be one of {BALANCERS}, got {balancer!r}")
+    if balancer in _NOT_YET:
+        raise NotImplementedError(f"moe_balancer={balancer!r} is not wired into TopKRouter yet; "
+                                  f"use one of {tuple(b for b in BALANCERS if b not in _NOT_YET)}")
+    if config.moe_router_enable_expert_bias:
+        # Megatron's finalize_model_grads would update our expert_bias a second time.
+        raise ValueError("moe_router_enable_expert_bias must be False with megatron_ext's MoE router; "
+                         "select the loss-free bias with moe_balancer='sign_bias' instead")
+    if balancer == "aux_loss" and not config.moe_aux_loss_coeff > 0:
+        raise ValueError(f"moe_aux_loss_coeff must be > 0 when moe_balancer='aux_loss', "
+                         f"got {config.moe_aux_loss_coeff!r}")
+    if config.moe_expert_capacity_factor is not None:
+        raise NotImplementedError("moe_expert_capacity_factor is only honoured by the quantile capacity "
+                                  "balancer, which is not wired in yet; leave it None")
+    if config.moe_router_score_function not in ("sigmoid", "softmax"):
+        raise ValueError(f"moe_router_score_function must be 'sigmoid' or 'softmax', "
+                         f"got {config.moe_router_score_function!r}")
+    return balancer
+
+
+class TopKRouter(MegatronModule):
+    """Gate ``[E, h]``; ``forward(x [N, h]) -> (Routing, local_counts [E] int64)``."""
+
+    def __init__(self, config, seed: int):
+        super().__init__(config)
+        self.balancer = _choose_balancer(config)
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.score_function = config.moe_router_score_function
+        weight = init_on_cpu((self.num_experts, config.hidden_size), config.init_method, seed,
+                             config.perform_initialization)
+        self.weight = torch.nn.Parameter(weight.to(device=param_device(config), dtype=config.params_dtype))
+        # Replicated over TP; under sequence parallelism each TP rank sees other tokens, so
+        # Megatron all-reduces grads of params marked like this over the TP group.
+        self.weight.sequence_parallel = config.sequence_parallel
+
+        device = self.weight.device
+        if self.balancer in _BIASED_BALANCERS:
+            self.register_buffer("expert_bias", torch.zeros(self.num_experts, device=device))
+            self.register_buffer("step_tokens_per_expert", torch.zeros(self.num_experts, device=device),
+                                 persistent=False)
+        else:
+            self.expert_bias = None
+            self.step_tokens_per_expert = None
+        # Statistics of the last forward, for metrics (detached).
+        self.local_tokens_per_expert: torch.Tensor | None = None
+        self.global_tokens_per_expert: torch.Tensor | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_dropped: torch.Tensor | None = None
+        self.last_rerouted: torch.Tensor | None = None
+
+    def _apply(self, fn, recurse=True):
+        # Module-wide casts (e.g. Float16Module's .bfloat16()) must not touch the fp32 bias and
+        # load counters: detach them, apply, then only move them to the new device.
+        kept = {name: self._buffers.pop(name) for name in ("expert_bias", "step_tokens_per_expert")
+                if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, tensor in kept.items():
+            target = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device)).device
+            self._buffers[name] = tensor.to(target)
+        return self
+
+    def scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[N, E]`` router scores."""
+        logits = F.linear(hidden.float(), self.weight.float())
+        return logits.sigmoid() if self.score_function == "sigmoid" else logits.softmax(dim=-1)
+
+    def forward(self, hidden: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+        scores = self.scores(hidden)
+        # Sigmoid scores are always renormalised over the chosen k; softmax follows Megatron's
+        # moe_router_pre_softmax (False: softmax over the chosen k, i.e. renormalised).
+        renormalize = self.score_function == "sigmoid" or not self.config.moe_router_pre_softmax
+        routing = topk_routing(scores, self.topk, self.expert_bias, renormalize=renormalize)
+        if self.config.moe_router_topk_scaling_factor is not None:
+            routing.gates = routing.gates * self.config.moe_router_topk_scaling_factor
+        counts = expert_counts(routing.experts, self.num_experts)
+
+        if self.balancer == "aux_loss" and self.training and torch.is_grad_enabled():
+            aux_loss = self.aux_loss(scores, counts)
+            routing.gates = AuxLossInjector.apply(routing.gates, aux_loss)
+            self.last_aux_loss = aux_loss.detach()
+        if self.step_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
+            # Counted once per microbatch: activation recompute re-runs forward under grad only once.
+            self.step_tokens_per_expert += counts.float()
+
+        self.local_tokens_per_expert = counts.detach()
+        self.last_dropped, self.last_rerouted = routing.dropped, routing.rerouted
+        return routing, counts
+
+    def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Switch loss ``coeff * E * sum_j f_j * P_j``: f_j = share of (token, slot) pairs sent to
+        j, P_j = mean over tokens of j's probability (sigmoid scores normalised per token)."""
+        probs = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
+        num_pairs = scores.shape[0] * self.topk
+        load_share = counts.float() / max(num_pairs, 1)
+        mean_prob = probs.mean(dim=0)
+        return self.config.moe_aux_loss_coeff * self.num_experts * (load_share * mean_prob).sum()
+
+    def record_global_counts(self, counts_per_rank: torch.Tensor) -> None:
+        """Keep ``[E]`` tokens per expert summed over the EP group (from the dispatcher)."""
+        self.global_tokens_per_expert = counts_per_rank.sum(dim=0).detach()
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
+        """Once per optimizer step (sign_bias): all-reduce the step's loads over ``group`` (every
+        rank that routes part of the global batch through this layer: DP x EP x TP under sequence
+        parallelism), nudge the bias toward balance, reset the counters. No-op for other balancers."""
+        if self.balancer != "sign_bias":
+            return
+        loads = self.step_tokens_per_expert.clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(loads, group=group)
+        rate = self.config.moe_router_bias_update_rate
+        self.expert_bias += rate * torch.sign(loads.mean() - loads)
+        self.step_tokens_per_expert.zero_()

@@ -1,0 +1,127 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron_ext.moe.router import TopKRouter, expert_counts
+
+
+def moe_config(**overrides) -> TransformerConfig:
+    """A tiny fp32 CPU MoE config (shared by the MoE tests)."""
+    settings = dict(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=8, moe_router_topk=2,
+                    moe_ffn_hidden_size=8, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                    moe_router_score_function="sigmoid", use_cpu_initialization=True, init_method_std=0.3)
+    settings.update(overrides)
+    balancer = settings.pop("moe_balancer", None)
+    config = TransformerConfig(**settings)
+    if balancer is not None:
+        config.moe_balancer = balancer  # our knob; HybridConfig will declare it
+    return config
+
+
+def _router(seed=0, **overrides):
+    return TopKRouter(moe_config(**overrides), seed=seed)
+
+
+@pytest.mark.parametrize("score_function,pre_softmax", [("sigmoid", False), ("softmax", False), ("softmax", True)])
+def test_topk_selection_and_gates_match_direct_computation(score_function, pre_softmax):
+    router = _router(moe_router_score_function=score_function, moe_router_pre_softmax=pre_softmax,
+                     moe_router_topk_scaling_factor=1.5)
+    x = torch.randn(32, 16)
+    routing, counts = router(x)
+    logits = x.double() @ router.weight.double().t()
+    scores = logits.sigmoid() if score_function == "sigmoid" else logits.softmax(-1)
+    top = scores.topk(2, dim=1)
+    assert torch.equal(routing.experts, top.indices)
+    gates = top.values if pre_softmax else top.values / top.values.sum(1, keepdim=True)
+    torch.testing.assert_close(routing.gates, (1.5 * gates).float())
+    assert torch.equal(counts, torch.bincount(top.indices.flatten(), minlength=8))
+    assert routing.gates.dtype == torch.float32
+
+
+def test_expert_bias_selects_but_gates_stay_unbiased():
+    router = _router(moe_balancer="sign_bias")
+    router.expert_bias.copy_(torch.randn(8) * 0.5)
+    x = torch.randn(32, 16)
+    routing, _ = router(x)
+    scores = (x @ router.weight.t()).sigmoid()
+    experts = (scores + router.expert_bias).topk(2, dim=1).indices
+    assert torch.equal(routing.experts, experts)
+    picked = scores.gather(1, experts)
+    torch.testing.assert_close(routing.gates, picked / picked.sum(1, keepdim=True))
+
+
+def test_aux_loss_matches_switch_formula_and_reaches_router_weight():
+    coeff = 0.01
+    router = _router(moe_balancer="aux_loss", moe_aux_loss_coeff=coeff, moe_router_score_function="softmax")
+    x = torch.randn(64, 16)
+    routing, _ = router(x)
+    probs = (x @ router.weight.t()).softmax(-1)
+    load_share = torch.bincount(routing.experts.flatten(), minlength=8).float() / (64 * 2)
+    expected = coeff * 8 * (load_share * probs.mean(0)).sum()
+    torch.testing.assert_close(router.last_aux_loss, expected)
+
+    # The activations are unchanged; backward adds d(aux)/dW on top of the main gradient.
+    probe = torch.randn_like(routing.gates)
+    (routing.gates * probe).sum().backward()
+    with_aux = router.weight.grad.clone()
+    router.weight.grad = None
+    plain = _router(moe_router_score_function="softmax")
+    plain.load_state_dict(router.state_dict())
+    plain_routing, _ = plain(x)
+    torch.testing.assert_close(plain_routing.gates, routing.gates.detach())
+    (plain_routing.gates * probe).sum().backward()
+    weight = router.weight.detach().clone().requires_grad_()
+    (coeff * 8 * (load_share * (x @ weight.t()).softmax(-1).mean(0)).sum()).backward()
+    torch.testing.assert_close(with_aux - plain.weight.grad, weight.grad)
+    assert weight.grad.abs().max() > 0
+
+
+def test_sign_bias_update_moves_toward_balance_and_resets_counts():
+    router = _router(moe_balancer="sign_bias", moe_router_bias_update_rate=1e-2)
+    router.train()
+    x = torch.randn(40, 16)
+    loads = torch.zeros(8)
+    for microbatch in x.chunk(2):  # counts accumulate over microbatches
+        _, counts = router(microbatch)
+        loads += counts
+    router.update_expert_bias(group=None)
+    expected = 1e-2 * torch.sign(loads.mean() - loads)
+    torch.testing.assert_close(router.expert_bias, expected)
+    assert (router.expert_bias[loads > loads.mean()] < 0).all()
+    assert (router.expert_bias[loads < loads.mean()] > 0).all()
+    assert router.step_tokens_per_expert.abs().sum() == 0
+
+
+def test_eval_forward_does_not_count_load():
+    router = _router(moe_balancer="sign_bias")
+    router.eval()
+    router(torch.randn(8, 16))
+    assert router.step_tokens_per_expert.abs().sum() == 0
+
+
+def test_expert_bias_stays_fp32_through_module_casts():
+    router = _router(moe_balancer="sign_bias")
+    router.expert_bias.copy_(torch.randn(8) * 1e-3 + 1.0)
+    before = router.expert_bias.clone()
+    router.bfloat16()
+    assert router.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == torch.float32 and torch.equal(router.expert_bias, before)
+    routing, _ = router(torch.randn(4, 16, dtype=torch.bfloat16))
+    assert routing.gates.dtype == torch.float32
+
+
+def test_expert_counts_skip_dropped_pairs():
+    experts = torch.tensor([[0, 3], [-1, 3], [2, -1]])
+    assert expert_counts(experts, 4).tolist() == [1, 0, 1, 2]
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(moe_balancer="bogus"), "moe_balancer must be one of"),
+    (dict(moe_balancer="aux_loss", moe_aux_loss_coeff=0.0), "moe_aux_loss_coeff must be > 0"),
+    (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
+     "moe_router_enable_expert_bias must be False"),
+])
+def test_bad_config_names_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _router(**overrides)
