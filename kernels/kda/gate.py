@@ -1,0 +1,57 @@
+"""KDA decay gate fused with the chunk-local cumulative sum (fp32), and the gate's derivatives.
+
+GATE codes (constexpr): 0 = g is already the log-decay, 1 = softplus gate
+-exp(A_log) * softplus(f + dt_bias), 2 = lower-bounded gate lower_bound * sigmoid(exp(A_log) * (f + dt_bias)).
+"""
+
+import triton
+import triton.language as tl
+
+GATE_GIVEN, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
+
+
+@triton.jit
+def gate_value(f, a, bias, lower_bound, GATE: tl.constexpr):
+    """Log-decay from the raw gate input f; a = exp(A_log) of the head, bias = dt_bias of the channel."""
+    if GATE == 1:
+        x = f + bias
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        return -a * softplus
+    elif GATE == 2:
+        return lower_bound * tl.sigmoid(a * (f + bias))
+    else:
+        return f
+
+
+@triton.jit
+def gate_grads(f, a, bias, lower_bound, GATE: tl.constexpr):
+    """(dg/df, dg/dA_log) of gate_value; dt_bias has the same derivative as f."""
+    x = f + bias
+    if GATE == 1:
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        return -a * tl.sigmoid(x), -a * softplus
+    else:
+        s = tl.sigmoid(a * x)
+        slope = lower_bound * s * (1.0 - s)
+        return slope * a, slope * a * x
+
+
+@triton.jit
+def gate_cumsum_kernel(f, A_log, dt_bias, G, chunk_start, chunk_len, lower_bound,
+                       H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                       GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """One program per (chunk, head): G = cumsum over the chunk of gate(f), in fp32."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
+    t, d = tl.arange(0, 64), tl.arange(0, BK)
+    mask = (t < n)[:, None] & (d < K)[None, :]
+    offs = (t0 + t)[:, None] * (H * K) + h * K + d[None, :]
+    x = tl.load(f + offs, mask=mask, other=0.0).to(tl.float32)
+    a = 1.0
+    if HAS_A:
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    bias = tl.zeros([1, BK], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + h * K + d, mask=d < K, other=0.0).to(tl.float32)[None, :]
+    g = tl.where(mask, gate_value(x, a, bias, lower_bound, GATE), 0.0)
+    tl.store(G + offs, tl.cumsum(g, 0), mask=mask)

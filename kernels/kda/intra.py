@@ -1,0 +1,137 @@
+"""Intra-chunk forward: decayed q.k / k.k products, the UT transform and w, u (chunk C = 64).
+
+For a chunk with cumulative log-decay G (fp32, [64, K]) every product needs exp(G_t - G_s) per channel.
+Row block i (16 tokens) uses the reference row r = G[16 i] and the factorisation
+    exp(G_t - G_s) = exp(G_t - r) * exp(r - G_s),
+so that a whole [16, 64] block row is ONE tl.dot: (x_t * exp(G_t - r)) @ (k_s * exp(r - G_s))^T.
+exp(G_t - r) <= 1 always; exp(r - G_s) <= 1 for s before the block and <= exp(15 * |g_min|) inside the
+diagonal tile, which is finite in fp32 for a lower-bounded gate (g >= -5: <= e^75). SAFE_GATE=False
+(an unbounded gate) keeps the dot for the blocks left of the diagonal and computes the diagonal 16x16
+tile position by position instead.
+
+Outputs per chunk: Mqk = scale * (q.k decayed, causal incl. diagonal), Ainv = (I + diag(beta) Akk)^-1
+(Akk strictly lower), w = Ainv (beta k exp(G)), u0 = Ainv (beta v).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def to_dot(x, DOT_BF16: tl.constexpr):
+    """Operands of tl.dot: bf16 when the inputs are bf16 (fp32 accumulation), fp32 otherwise."""
+    if DOT_BF16:
+        return x.to(tl.bfloat16)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def row_block(ptr, t0, r0, n, row_stride, col0, cols, ncols):
+    """Load rows r0..r0+15 of a chunk starting at token t0 (n valid rows) as fp32 [16, len(cols)]."""
+    rows = r0 + tl.arange(0, 16)
+    mask = (rows < n)[:, None] & (cols < ncols)[None, :]
+    return tl.load(ptr + (t0 + rows)[:, None] * row_stride + col0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def decay_factors(g_all, g_i, G, t0, r0, n, h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                  SAFE_GATE: tl.constexpr):
+    """Factors of exp(G_t - G_s) around r = G[min(16 i, n - 1)]: rows exp(G_t - r) [16, BK] and columns
+    exp(r - G_s) [64, BK], zero outside the valid tokens and outside the columns the dot path covers."""
+    t, d, s16 = tl.arange(0, 64), tl.arange(0, BK), tl.arange(0, 16)
+    kmask = d < K
+    g_r = tl.load(G + (t0 + tl.minimum(r0, n - 1)) * H * K + h * K + d, mask=kmask, other=0.0)
+    row_ok = ((r0 + s16) < n)[:, None] & kmask[None, :]
+    e_row = tl.exp(tl.where(row_ok, g_i - g_r[None, :], float("-inf")))
+    if SAFE_GATE:
+        ncol = r0 + 16
+    else:
+        ncol = r0
+    col_ok = ((t < ncol) & (t < n))[:, None] & kmask[None, :]
+    e_col = tl.exp(tl.where(col_ok, g_r[None, :] - g_all, float("-inf")))
+    return e_row, e_col
+
+
+@triton.jit
+def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, chunk_start, chunk_len, scale,
+                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
+    c, h = tl.program_id(0), tl.program_id(1)
+    t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
+    t, d, s16 = tl.arange(0, 64), tl.arange(0, BK), tl.arange(0, 16)
+    kmask, row_ok = d < K, t < n
+    m2 = row_ok[:, None] & kmask[None, :]
+    offs_k = (t0 + t)[:, None] * (H * K) + h * K + d[None, :]
+    k_all = tl.load(k + offs_k, mask=m2, other=0.0).to(tl.float32)
+    g_all = tl.load(G + offs_k, mask=m2, other=0.0)
+    a_base = Ainv + h * 64  # Ainv rows hold L = diag(beta) Akk first, then the inverse (scratch reuse)
+
+    # 1) decayed products, one [16, 64] block row at a time
+    for i in tl.static_range(4):
+        r0 = i * 16
+        rows = r0 + s16
+        rok = rows < n
+        q_i = row_block(q, t0, r0, n, H * K, h * K, d, K)
+        k_i = row_block(k, t0, r0, n, H * K, h * K, d, K)
+        g_i = row_block(G, t0, r0, n, H * K, h * K, d, K)
+        b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
+        e_row, e_col = decay_factors(g_all, g_i, G, t0, r0, n, h, H, K, BK, SAFE_GATE)
+        kl = to_dot(k_all * e_col, DOT_BF16)
+        mq = tl.dot(to_dot(q_i * e_row, DOT_BF16), tl.trans(kl))
+        lk = tl.dot(to_dot(k_i * e_row, DOT_BF16), tl.trans(kl))
+        if not SAFE_GATE:
+            for s in range(16):  # diagonal tile, position by position (unbounded gate)
+                col = r0 + s
+                sok = col < n
+                k_s = tl.load(k + (t0 + col) * H * K + h * K + d, mask=kmask & sok, other=0.0).to(tl.float32)
+                g_s = tl.load(G + (t0 + col) * H * K + h * K + d, mask=kmask & sok, other=0.0)
+                ok = (rok & (rows >= col))[:, None] & kmask[None, :]
+                e = tl.exp(tl.where(ok, g_i - g_s[None, :], float("-inf")))
+                mq = tl.where(t[None, :] == col, tl.sum(q_i * k_s[None, :] * e, 1)[:, None], mq)
+                lk = tl.where(t[None, :] == col, tl.sum(k_i * k_s[None, :] * e, 1)[:, None], lk)
+        valid = rok[:, None] & row_ok[None, :]
+        mq = tl.where(valid & (t[None, :] <= rows[:, None]), mq * scale, 0.0)
+        lk = tl.where(valid & (t[None, :] < rows[:, None]), lk * b_i[:, None], 0.0)
+        offs_a = (t0 + rows)[:, None] * (H * 64) + t[None, :]
+        tl.store(Mqk + h * 64 + offs_a, mq.to(Mqk.dtype.element_ty), mask=rok[:, None])
+        tl.store(a_base + offs_a, lk, mask=rok[:, None])
+    tl.debug_barrier()
+
+    # 2) (I + L)^-1 by block forward substitution: X_i = D_i^-1 (E_i - L_{i,<i} X_{<i})
+    for i in tl.static_range(4):
+        r0 = i * 16
+        rows = r0 + s16
+        rok = rows < n
+        offs_a = (t0 + rows)[:, None] * (H * 64) + t[None, :]
+        eye = (s16[:, None] == s16[None, :]).to(tl.float32)
+        d_inv = eye
+        for s in range(1, 16):
+            l_s = tl.load(a_base + (t0 + r0 + s) * (H * 64) + r0 + s16, mask=(s16 < s) & (r0 + s < n), other=0.0)
+            new_row = tl.where(s16 == s, 1.0, -tl.sum(l_s[:, None] * d_inv, 0))
+            d_inv = tl.where(s16[:, None] == s, new_row[None, :], d_inv)
+        rhs = (t[None, :] == rows[:, None]).to(tl.float32)
+        if i > 0:
+            l_i = tl.load(a_base + offs_a, mask=rok[:, None] & (t[None, :] < r0), other=0.0)
+            x_prev = tl.load(a_base + (t0 + t)[:, None] * (H * 64) + t[None, :],
+                             mask=((t < r0) & row_ok)[:, None], other=0.0)
+            rhs -= tl.dot(l_i, x_prev)
+        x_i = tl.dot(d_inv, rhs)
+        tl.debug_barrier()
+        tl.store(a_base + offs_a, x_i, mask=rok[:, None])
+        tl.debug_barrier()
+
+    # 3) w = Ainv (beta k exp(G)), u0 = Ainv (beta v)
+    a_inv = tl.load(a_base + (t0 + t)[:, None] * (H * 64) + t[None, :], mask=row_ok[:, None], other=0.0)
+    a_dot = to_dot(a_inv, DOT_BF16)
+    b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
+    kb = k_all * b_all[:, None] * tl.exp(g_all)
+    w = tl.dot(a_dot, to_dot(kb, DOT_BF16))
+    tl.store(W + offs_k, w.to(W.dtype.element_ty), mask=m2)
+    for v0 in range(0, V, BV):
+        e = v0 + tl.arange(0, BV)
+        mv = row_ok[:, None] & (e < V)[None, :]
+        offs_v = (t0 + t)[:, None] * (H * V) + h * V + e[None, :]
+        vb = tl.load(v + offs_v, mask=mv, other=0.0).to(tl.float32) * b_all[:, None]
+        u0 = tl.dot(a_dot, to_dot(vb, DOT_BF16))
+        tl.store(U0 + offs_v, u0.to(U0.dtype.element_ty), mask=mv)
