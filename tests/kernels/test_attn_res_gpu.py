@@ -1,0 +1,72 @@
+"""Fused depth-attention kernel on the GPU in bf16 (compiled Triton) vs the fp32 reference."""
+
+import pytest
+import torch
+
+from kernels.attn_res import depth_attention, depth_attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(n, tokens, hidden, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    scales = torch.rand(n, 1, 1, generator=gen, device="cuda") * 3 + 0.2
+    sources = (torch.randn(n, tokens, hidden, generator=gen, device="cuda") * scales).bfloat16()
+    query = torch.randn(hidden, generator=gen, device="cuda") * 0.5
+    norm_weight = 1 + 0.3 * torch.randn(hidden, generator=gen, device="cuda")
+    grad_out = torch.randn(tokens, hidden, generator=gen, device="cuda").bfloat16()
+    return sources, query, norm_weight, grad_out
+
+
+def _grads(fn, sources, query, norm_weight, grad_out):
+    v = sources.clone().requires_grad_(True)
+    w = query.clone().requires_grad_(True)
+    g = norm_weight.clone().requires_grad_(True)
+    out = fn(v, w, g)
+    return (out, *torch.autograd.grad(out, (v, w, g), grad_out.to(out.dtype)))
+
+
+def _assert_relative_close(actual, expected, bound, name):
+    err = (actual.float() - expected.float()).abs().max().item()
+    scale = expected.float().abs().max().item()
+    assert err <= bound * scale, f"{name}: max error {err:.3e} exceeds {bound} x max |ref| {scale:.3e}"
+
+
+@pytest.mark.parametrize("hidden", [48, 1536, 2048])
+@pytest.mark.parametrize("n", [1, 3, 9])
+def test_bf16_kernel_matches_fp32_reference(n, hidden):
+    sources, query, norm_weight, grad_out = _inputs(n, 1000, hidden, seed=n + hidden)
+    kernel = _grads(lambda v, w, g: depth_attention(list(v.unbind(0)), w, g), sources, query, norm_weight, grad_out)
+    # Ground truth: fp32 maths on the very same bf16 values; the kernel only rounds its outputs.
+    reference = _grads(depth_attention_reference, sources.float(), query, norm_weight, grad_out.float())
+    assert kernel[0].dtype == kernel[1].dtype == torch.bfloat16
+    bounds = (1e-2, 1e-2, 1e-3, 1e-3)  # bf16 outputs; fp32-reduced query / norm-weight grads
+    for name, a, b, bound in zip(("out", "d_sources", "d_query", "d_norm_weight"), kernel, reference, bounds):
+        _assert_relative_close(a, b, bound, name)
+
+
+def test_bf16_zero_query_gives_uniform_average():
+    sources, _, norm_weight, _ = _inputs(5, 513, 2048, seed=1)
+    out = depth_attention(sources, torch.zeros_like(norm_weight), norm_weight)
+    # Within one bf16 ulp: torch.mean may round its fp32 result differently before the cast.
+    torch.testing.assert_close(out, sources.float().mean(0).bfloat16(), rtol=2**-7, atol=0)
+
+
+def test_bf16_kernel_is_deterministic_and_list_equals_stacked():
+    sources, query, norm_weight, grad_out = _inputs(4, 4099, 2048, seed=2)
+    stacked = _grads(lambda v, w, g: depth_attention(v, w, g), sources, query, norm_weight, grad_out)
+    again = _grads(lambda v, w, g: depth_attention(v, w, g), sources, query, norm_weight, grad_out)
+    listed = _grads(lambda v, w, g: depth_attention(list(v.unbind(0)), w, g), sources, query, norm_weight, grad_out)
+    for a, b, c in zip(stacked, again, listed):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_auto_picks_the_kernel_with_the_recompute_memory_of_the_reference():
+    sources, query, norm_weight, _ = _inputs(3, 64, 256)
+    v = sources.requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out_auto = depth_attention(v, query.requires_grad_(True), norm_weight)
+    assert {t.data_ptr() for t in saved} == {v.data_ptr(), query.data_ptr(), norm_weight.data_ptr()}
+    out_torch = depth_attention(v, query, norm_weight, impl="torch")
+    _assert_relative_close(out_auto, out_torch.float(), 1e-2, "auto vs torch")

@@ -1,0 +1,131 @@
+"""Fused Triton depth-attention kernel vs the PyTorch reference, on the CPU interpreter.
+
+Triton's interpreter must be chosen before triton is first imported, and other test modules
+in the same run may import it earlier. So the kernel cases below only run in a fresh
+subprocess with ``TRITON_INTERPRET=1``, started by ``test_kernel_cases_under_interpreter``;
+that test fails with the subprocess's report if any case fails. In the parent run the cases
+show as skipped with that explanation. Inputs are fp32/fp16 (the interpreter's bf16 maths is
+wrong); bf16 on the GPU lives in test_attn_res_gpu.py.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.attn_res import depth_attention, depth_attention_reference
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+interpreter_case = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in test_kernel_cases_under_interpreter's TRITON_INTERPRET=1 subprocess"
+)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the launcher of the interpreter subprocess")
+def test_kernel_cases_under_interpreter():
+    repo_root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo_root))
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    result = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=600)
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report
+    # Every case must have run in the subprocess: only the launcher itself may be skipped there.
+    summary = report.strip().splitlines()[-1]
+    assert re.search(r"\b\d+ passed", summary) and not re.search(r"\b([2-9]|\d\d+) skipped", summary), report
+
+
+def _inputs(n, tokens, hidden, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, 1, 1, generator=gen) * 3 + 0.2  # sources of different sizes
+    sources = (torch.randn(n, tokens, hidden, generator=gen) * scales).to(dtype)
+    query = torch.randn(hidden, generator=gen) * 0.5
+    norm_weight = 1 + 0.3 * torch.randn(hidden, generator=gen)
+    grad_out = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    return sources, query, norm_weight, grad_out
+
+
+def _forward_backward(impl, sources, query, norm_weight, grad_out, as_list):
+    v = sources.clone().requires_grad_(True)
+    w = query.clone().requires_grad_(True)
+    g = norm_weight.clone().requires_grad_(True)
+    if impl == "reference":
+        out = depth_attention_reference(v, w, g)
+    else:
+        out = depth_attention(list(v.unbind(0)) if as_list else v, w, g, impl=impl)
+    return (out, *torch.autograd.grad(out, (v, w, g), grad_out))
+
+
+@interpreter_case
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("hidden", [32, 48])
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_kernel_matches_reference_fp32(n, hidden, as_list):
+    inputs = _inputs(n, 37, hidden, seed=10 * n + hidden)
+    kernel = _forward_backward("triton", *inputs, as_list=as_list)
+    reference = _forward_backward("reference", *inputs, as_list=as_list)
+    for name, a, b in zip(("out", "d_sources", "d_query", "d_norm_weight"), kernel, reference):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@interpreter_case
+def test_kernel_matches_reference_fp16():
+    sources, query, norm_weight, grad_out = _inputs(4, 37, 48, seed=1, dtype=torch.float16)
+    kernel = _forward_backward("triton", sources, query, norm_weight, grad_out, as_list=True)
+    # Ground truth: the same fp16 inputs in fp32 maths; the kernel rounds only its outputs.
+    reference = _forward_backward("reference", sources.float(), query, norm_weight, grad_out.float(), as_list=True)
+    assert kernel[0].dtype == kernel[1].dtype == torch.float16
+    for name, a, b in zip(("out", "d_sources", "d_query", "d_norm_weight"), kernel, reference):
+        torch.testing.assert_close(a.float(), b, rtol=2e-3, atol=2e-3, msg=name)
+
+
+@interpreter_case
+@pytest.mark.parametrize("n", [2, 5])
+def test_kernel_zero_query_gives_uniform_average(n):
+    sources, _, norm_weight, _ = _inputs(n, 37, 48, seed=n)
+    out = depth_attention(sources, torch.zeros(48), norm_weight, impl="triton")
+    torch.testing.assert_close(out, sources.mean(0), rtol=1e-6, atol=1e-6)
+
+
+@interpreter_case
+def test_kernel_single_source_is_returned_unchanged():
+    sources, query, norm_weight, _ = _inputs(1, 37, 32)
+    out = depth_attention([sources[0]], query, norm_weight, impl="triton")
+    torch.testing.assert_close(out, sources[0], rtol=1e-6, atol=1e-6)
+
+
+@interpreter_case
+def test_kernel_saves_only_inputs_and_is_deterministic():
+    sources, query, norm_weight, grad_out = _inputs(3, 37, 32, seed=4)
+    v = sources.requires_grad_(True)
+    w = query.requires_grad_(True)
+    g = norm_weight.requires_grad_(True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = depth_attention(v, w, g, impl="triton")
+    assert {t.data_ptr() for t in saved} == {v.data_ptr(), w.data_ptr(), g.data_ptr()}
+    assert len(saved) == 3
+    first = torch.autograd.grad(out, (v, w, g), grad_out, retain_graph=True)
+    second = torch.autograd.grad(out, (v, w, g), grad_out)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@interpreter_case
+def test_kernel_keeps_sbh_shape_and_param_dtypes():
+    sources, query, norm_weight, _ = _inputs(3, 12, 32)
+    sbh = [s.view(4, 3, 32) for s in sources.unbind(0)]  # three [s, b, h] tensors
+    w = query.requires_grad_(True)
+    g = norm_weight.half().requires_grad_(True)  # a low-precision norm weight gets its own dtype back
+    out = depth_attention(sbh, w, g, impl="triton")
+    assert out.shape == (4, 3, 32)
+    dw, dg = torch.autograd.grad(out.sum(), (w, g))
+    assert dw.dtype == torch.float32 and dg.dtype == torch.float16
