@@ -1,0 +1,155 @@
+"""KDA chunked kernels vs the fp32 references (CPU: Triton interpreter, fp32; GPU: bf16)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # must precede the first import of the kernels (triton.jit reads it)
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels.kda import (chunk_kda, kda_gate_lower_bound, kda_gate_softplus,  # noqa: E402
+                         naive_chunk_kda, naive_recurrent_kda)
+
+NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
+
+
+def make_inputs(B, T, H, K, V, N=None, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    N = B if N is None else N
+    x = dict(q=rnd(B, T, H, K), k=rnd(B, T, H, K), v=rnd(B, T, H, V), g=rnd(B, T, H, K),
+             beta=torch.rand(B, T, H, generator=gen) * 0.9 + 0.05, A_log=rnd(H) * 0.5, dt_bias=rnd(H * K),
+             h0=rnd(N, H, K, V))
+    return {n: t.to(device) for n, t in x.items()}
+
+
+def run_pair(x, gate, dtype=torch.float32, cu_seqlens=None, l2norm=True, with_h0=True, safe_gate=None):
+    """Our chunk_kda and the fp32 chunked reference on the same inputs; returns outputs and gradients of both."""
+    lower_bound = -5.0 if gate == "lower_bound" else None
+
+    def ours(t):
+        return chunk_kda(t["q"].to(dtype), t["k"].to(dtype), t["v"].to(dtype), t["g"].to(dtype),
+                         t["beta"].to(dtype), initial_state=t["h0"] if with_h0 else None, output_final_state=True,
+                         use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate != "given", cu_seqlens=cu_seqlens,
+                         A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=lower_bound, safe_gate=safe_gate)
+
+    def reference(t):
+        if gate == "lower_bound":
+            g = kda_gate_lower_bound(t["g"], t["A_log"], t["dt_bias"], lower_bound)
+        elif gate == "softplus":
+            g = kda_gate_softplus(t["g"], t["A_log"], t["dt_bias"])
+        else:
+            g = t["g"]
+        return naive_chunk_kda(t["q"], t["k"], t["v"], g, t["beta"], initial_state=t["h0"] if with_h0 else None,
+                               output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm=l2norm)
+
+    results = []
+    gen = torch.Generator().manual_seed(1)
+    for fn in (ours, reference):
+        t = {n: v.clone().requires_grad_() for n, v in x.items()}
+        o, s = fn(t)
+        if not results:
+            do = torch.randn(o.shape, generator=gen).to(o.device)
+            ds = torch.randn(s.shape, generator=gen).to(o.device)
+        ((o.float() * do).sum() + (s * ds).sum()).backward()
+        grads = {n: t[n].grad for n in NAMES if t[n].grad is not None}
+        results.append((o.float(), s, grads))
+    return results
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+def assert_match(results, tol, expect_grads):
+    (o, s, grads), (o_ref, s_ref, grads_ref) = results
+    assert rel_err(o, o_ref) < tol, f"output rel err {rel_err(o, o_ref)}"
+    assert rel_err(s, s_ref) < tol, f"final state rel err {rel_err(s, s_ref)}"
+    assert set(grads) == set(grads_ref) == set(expect_grads)
+    for n in expect_grads:
+        assert torch.isfinite(grads[n]).all(), n
+        assert rel_err(grads[n], grads_ref[n]) < tol, f"d{n} rel err {rel_err(grads[n], grads_ref[n])}"
+
+
+def test_chunked_reference_equals_recurrence():
+    x = make_inputs(1, 150, 2, 16, 16, N=3)
+    g = kda_gate_lower_bound(x["g"], x["A_log"], x["dt_bias"], -5.0)
+    cu = torch.tensor([0, 20, 90, 150])
+    args = (x["q"], x["k"], x["v"], g, x["beta"])
+    kw = dict(initial_state=x["h0"], output_final_state=True, cu_seqlens=cu, use_qk_l2norm=True)
+    o1, s1 = naive_recurrent_kda(*args, **kw)
+    o2, s2 = naive_chunk_kda(*args, **kw)
+    assert rel_err(o2, o1) < 1e-5 and rel_err(s2, s1) < 1e-5
+
+
+def test_lower_bound_gate_in_kernel_batched():
+    """B=2, T=100 (not a multiple of 64), l2norm, in-kernel gate, initial and final state."""
+    results = run_pair(make_inputs(2, 100, 2, 16, 32), "lower_bound")
+    assert_match(results, 1e-4, NAMES)
+
+
+def test_softplus_gate_in_kernel():
+    """Unbounded gate: the diagonal tiles take the per-position path; A_log large to make decays strong."""
+    x = make_inputs(1, 40, 1, 16, 16, seed=3)
+    x["A_log"] = x["A_log"] + 1.5
+    assert_match(run_pair(x, "softplus"), 1e-4, NAMES)
+
+
+def test_precomputed_gate_varlen():
+    """Packed sequences of 30, 70 (crossing a chunk boundary) and 30 tokens, each with its own state."""
+    x = make_inputs(1, 130, 1, 32, 16, N=3, seed=5)
+    x["g"] = kda_gate_lower_bound(x["g"], None, None, -5.0)
+    cu = torch.tensor([0, 30, 100, 130])
+    results = run_pair(x, "given", cu_seqlens=cu, safe_gate=True)
+    assert_match(results, 1e-4, ("q", "k", "v", "g", "beta", "h0"))
+
+
+def test_saturated_gate_at_lower_bound():
+    """Every g at the bound (-5): the widest exponent span inside a tile (15 * 5 = 75 nats)."""
+    x = make_inputs(1, 80, 1, 16, 16, seed=7)
+    x["g"] = torch.full_like(x["g"], -5.0)
+    results = run_pair(x, "given", safe_gate=True, l2norm=False, with_h0=False)
+    assert_match(results, 1e-4, ("q", "k", "v", "g", "beta"))
+    x["g"] = torch.full_like(x["g"], 40.0)  # raw input deep in saturation: sigmoid -> 1, g -> lower_bound
+    x["A_log"] = torch.zeros_like(x["A_log"])
+    assert_match(run_pair(x, "lower_bound", l2norm=False), 1e-4, NAMES)
+
+
+def test_sequence_shorter_than_a_tile():
+    assert_match(run_pair(make_inputs(1, 7, 2, 16, 16, seed=11), "lower_bound"), 1e-4, NAMES)
+
+
+@pytest.mark.parametrize("bound", [-6.0, 0.0, 0.5])
+def test_bad_lower_bound_raises(bound):
+    x = make_inputs(1, 16, 1, 16, 16)
+    with pytest.raises(ValueError, match=r"lower_bound must be in \[-5.0, 0.0\)"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=x["A_log"],
+                  lower_bound=bound)
+
+
+def test_bad_shapes_raise():
+    x = make_inputs(2, 16, 1, 16, 16)
+    with pytest.raises(ValueError, match="beta must be"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"][..., None])
+    with pytest.raises(ValueError, match="batch size must be 1"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=torch.tensor([0, 16]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_bf16_on_gpu_matches_fp32_reference(gate):
+    x = make_inputs(2, 300, 4, 128, 128, device="cuda")
+    assert_match(run_pair(x, gate, dtype=torch.bfloat16), 5e-3, NAMES)
+
+
+@pytest.mark.gpu
+def test_bf16_on_gpu_matches_fla():
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    x = make_inputs(2, 300, 4, 128, 128, device="cuda")
+    args = [x[n].to(torch.bfloat16) for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(initial_state=x["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=-5.0)
+    o, s = chunk_kda(*args, **kw)
+    o_fla, s_fla = fla_kda.chunk_kda(*args, safe_gate=True, **kw)
+    assert rel_err(o, o_fla) < 1e-2 and rel_err(s, s_fla) < 1e-2
