@@ -18,6 +18,8 @@ class ByteTokenizer:
 
     vocab_size = 257
     eod = 256
+    # Megatron's dataset cache key includes the tokenizer's identity.
+    unique_identifiers = {"class": "ByteTokenizer", "vocab_size": 257}
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -60,6 +62,8 @@ class JsonFileTokenizer:
         else:
             raise ValueError(f"tokenizer file {path} has no end-of-document token; "
                              f"looked for {', '.join(candidates)}")
+        self.unique_identifiers = {"class": "JsonFileTokenizer", "path": os.path.abspath(path),
+                                   "vocab_size": self.vocab_size, "eod": self.eod}
 
     def tokenize(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
