@@ -9,6 +9,10 @@ The kernel gets the sources as a list of separate tensors (as the model produces
 reference gets them pre-stacked, so the stack copy a caller of the reference would pay is not
 counted against it.
 
+``--sweep``: also time the kernel over a few tile sizes (``fused.FORWARD_TILE_ELEMENTS`` and
+``fused.BACKWARD_TILE_ELEMENTS``) and report them under ``sweep``; the defaults in
+``kernels/attn_res/fused.py`` should be set to the best of these.
+
 ``--smoke``: tiny fp32 shapes on the CPU under Triton's interpreter (wall-clock median
 instead of do_bench, no memory numbers); checks the code paths, not the speed. JSON is
 written only when ``--out`` is given.
@@ -40,6 +44,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help=f"JSON path (GPU default: {DEFAULT_OUT}; smoke: none)")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU Triton interpreter")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel over tile sizes")
     return parser.parse_args(argv)
 
 
@@ -151,6 +156,40 @@ def bench_shape(n, tokens, hidden, device, dtype_name, smoke):
     return row
 
 
+SWEEP_TILES = (1024, 2048, 4096, 8192, 16384)
+SMOKE_SWEEP_TILES = (256, 1024)  # with h = 48 (padded to 64): 4 and 16 tokens per tile
+
+
+def sweep_tiles(n, tokens, hidden, device, dtype_name, smoke):
+    """Kernel forward ms per forward tile size and forward+backward ms per backward tile size."""
+    import torch
+
+    import kernels.attn_res.fused as fused
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    leaves, grad_out = make_inputs(n, tokens, hidden, device, dtype, seed=n)
+    forward, forward_backward = make_steps("kernel", leaves, grad_out)
+    defaults = fused.FORWARD_TILE_ELEMENTS, fused.BACKWARD_TILE_ELEMENTS
+    sweep = {"n": n, "T": tokens, "h": hidden, "default_tiles": list(defaults), "fwd_ms": {}, "fwd_bwd_ms": {}}
+    tiles = SMOKE_SWEEP_TILES if smoke else SWEEP_TILES
+    try:
+        for tile in tiles:
+            fused.FORWARD_TILE_ELEMENTS = tile
+            sweep["fwd_ms"][tile] = median_ms(forward, smoke)
+        fused.FORWARD_TILE_ELEMENTS = defaults[0]
+        for tile in tiles:
+            fused.BACKWARD_TILE_ELEMENTS = tile
+            sweep["fwd_bwd_ms"][tile] = median_ms(forward_backward, smoke)
+    finally:
+        fused.FORWARD_TILE_ELEMENTS, fused.BACKWARD_TILE_ELEMENTS = defaults
+    print(f"sweep n={n}: fwd ms by tile {_fmt(sweep['fwd_ms'])}; fwd+bwd ms by bwd tile {_fmt(sweep['fwd_bwd_ms'])}")
+    return sweep
+
+
+def _fmt(times):
+    return ", ".join(f"{tile}: {ms:.3f}" for tile, ms in times.items())
+
+
 def print_table(rows):
     header = f"{'n':>3} {'T':>6} {'h':>5} | {'kernel fwd':>10} {'ref fwd':>9} | {'kernel f+b':>10} {'ref f+b':>9} {'speedup':>7} | {'fwd GB/s':>8} | {'saved MB k/ref':>15}"
     print(header)
@@ -177,6 +216,7 @@ def main(argv=None):
         device, dtype_name, shapes, out_path = "cuda", "bf16", GPU_SHAPES, args.out or DEFAULT_OUT
     rows = [bench_shape(n, t, h, device, dtype_name, args.smoke) for n, t, h in shapes]
     print_table(rows)
+    sweeps = [sweep_tiles(n, t, h, device, dtype_name, args.smoke) for n, t, h in shapes] if args.sweep else None
     if out_path:
         import triton
 
@@ -189,6 +229,7 @@ def main(argv=None):
             "timing": "median ms, triton.testing.do_bench" if not args.smoke else "median wall ms of 3 (smoke)",
             "note": "kernel gets a list of sources; reference gets them pre-stacked (stack cost not counted)",
             "results": rows,
+            "sweep": sweeps,
         }
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         Path(out_path).write_text(json.dumps(report, indent=2) + "\n")

@@ -139,9 +139,12 @@ def launch_config(hidden: int, tile_elements: int) -> LaunchConfig:
     return LaunchConfig(block_t, block_h, num_warps)
 
 
-# The forward keeps two tiles live (acc, v); the backward four (dout, v, dv, temporaries).
-FORWARD_TILE_ELEMENTS = 8192
-BACKWARD_TILE_ELEMENTS = 4096
+# Tile sizes (elements per token tile), read at call time so the benchmark can sweep them.
+# The forward keeps two tiles live (acc, v). The backward keeps more (dout, v, dv) and wants
+# its tile's n sources to still be in L2 for pass 2: a smaller tile keeps that working set
+# (programs in flight x n x tile) well under the 50 MB L2 of an H100/H200.
+FORWARD_TILE_ELEMENTS = 4096
+BACKWARD_TILE_ELEMENTS = 2048
 
 
 def _backward_grid(device: torch.device, num_tiles: int) -> int:
