@@ -66,24 +66,24 @@ def _boundary_admission(proposals, valid, bins, boundary, admit_in_boundary, gro
     """Which proposals sitting in their expert's boundary bin are admitted: the first
     ``admit_in_boundary[j]`` of expert j's boundary-bin proposals in global token order."""
     num_experts = boundary.shape[0]
-    in_boundary = valid & (bins == boundary[proposals])
-    expert_or_spare = torch.where(in_boundary, proposals, num_experts).reshape(-1)
-    local = torch.bincount(expert_or_spare, minlength=num_experts + 1)
-    # Rank order inside each expert's boundary bin: row-major order is token order.
-    order = torch.sort(expert_or_spare, stable=True).indices
+    in_boundary = (valid & (bins == boundary[proposals])).reshape(-1)
+    # Few proposals sit in boundary bins: order just those. Row-major order is token order.
+    where = in_boundary.nonzero().squeeze(1)
+    expert = proposals.reshape(-1)[where]
+    local = torch.bincount(expert, minlength=num_experts)
+    order = torch.sort(expert, stable=True).indices
     start = local.cumsum(0) - local
     position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device) - start[expert_or_spare[order]]
-    if group is None:
-        prefix = torch.zeros_like(boundary)
-    else:
+    position[order] = torch.arange(order.numel(), device=order.device) - start[expert[order]]
+    if group is not None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         per_rank = torch.zeros(world, num_experts, dtype=torch.int64, device=proposals.device)
-        per_rank[rank] = local[:num_experts]
+        per_rank[rank] = local
         _all_reduce(per_rank, group)
-        prefix = per_rank[:rank].sum(dim=0)
-    position = position.view_as(proposals) + prefix[proposals]
-    return in_boundary & (position < admit_in_boundary[proposals])
+        position += per_rank[:rank].sum(dim=0)[expert]  # tokens of lower ranks come first
+    admitted = torch.zeros_like(in_boundary)
+    admitted[where] = position < admit_in_boundary[expert]
+    return admitted.view_as(proposals)
 
 
 def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bias: torch.Tensor | None = None,
@@ -111,61 +111,73 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     if max_rounds is not None and max_rounds < 1:
         raise ValueError(f"max_rounds must be >= 1 or None, got {max_rounds}")
     num_tokens, num_experts = scores.shape
-    device = scores.device
     biased = biased_scores(scores, bias)
-    experts = torch.full((num_tokens, k), -1, dtype=torch.int64, device=device)
-    rows = torch.arange(num_tokens, device=device)  # tokens that may still move
-    room = None
-    round_index = 0
+    # Round 1 is the plain top-k of every token; later rounds only revisit refused tokens.
+    top_k = biased.topk(k, dim=1).indices
+    experts = torch.full_like(top_k, -1)
+    rows, room, round_index = None, None, 0
     while max_rounds is None or round_index < max_rounds:
-        if room is None:
-            proposals = biased.topk(k, dim=1).indices
-            valid = torch.ones_like(proposals, dtype=torch.bool)
-            top_k = proposals
+        if rows is None:
+            proposals, valid, held = top_k, torch.ones_like(top_k, dtype=torch.bool), experts
+            proposal_scores = scores.gather(1, top_k)
         else:
             held = experts[rows]
             proposals, valid = _propose(biased[rows], held, (held < 0).sum(1), room, k)
-        proposal_scores = scores[rows].gather(1, proposals)
-        hist = histogram_counts(proposals, proposal_scores, lo, hi, num_bins, num_experts, valid)
+            proposal_scores = scores[rows].gather(1, proposals)
+        bins = histogram_bins(proposal_scores, lo, hi, num_bins)
+        hist = histogram_counts(proposals, bins, num_experts, num_bins, valid)
         # The token count rides along (fixed shape); round 1 uses it to fix the capacity.
-        packed = torch.cat([hist.reshape(-1), hist.new_tensor([num_tokens])])
-        _all_reduce(packed, group)
+        packed = _all_reduce(torch.cat([hist.reshape(-1), hist.new_tensor([num_tokens])]), group)
         hist = packed[:-1].view(num_experts, num_bins)
         if room is None:
             capacity = expert_capacity(int(packed[-1]), k, num_experts, capacity_factor)
-            room = torch.full((num_experts,), capacity, dtype=torch.int64, device=device)
+            room = torch.full((num_experts,), capacity, dtype=torch.int64, device=scores.device)
         demand = hist.sum(dim=1)
         refused = (demand - room).clamp(min=0)
-        oversubscribed = refused > 0
-        total_demand, any_refused = (int(x) for x in torch.stack([demand.sum(), refused.sum()]).tolist())
+        total_demand, total_refused = torch.stack([demand.sum(), refused.sum()]).tolist()
         if total_demand == 0:
             break
-        accepted = valid.clone()
-        if any_refused:
-            # Refuse the `refused[j]` lowest scores: the lowest admitted one has ascending rank
-            # refused[j]; bins above its bin are in, bins below are out.
-            boundary, below = bin_of_rank(hist, refused)
-            boundary = torch.where(oversubscribed, boundary, -1)
-            in_boundary_bin = hist.gather(1, boundary.clamp(min=0).unsqueeze(1)).squeeze(1)
-            admit_in_boundary = torch.where(oversubscribed, in_boundary_bin - (refused - below), 0)
-            bins = histogram_bins(proposal_scores, lo, hi, num_bins)
-            admitted = _boundary_admission(proposals, valid, bins, boundary, admit_in_boundary, group)
-            accepted = valid & ((bins > boundary[proposals]) | admitted)
+        accepted = valid
+        if total_refused > 0:
+            accepted = valid & _accept(proposals, valid, bins, hist, refused, group)
         room = room - demand.minimum(room)
-        # Write accepted proposals into each row's free slots, after the ones it holds.
-        held = experts[rows]
-        slot = (held >= 0).sum(1, keepdim=True) + accepted.cumsum(1) - 1
-        slot = torch.where(accepted, slot, k)  # spare column for the rest
-        widened = torch.cat([held, held.new_full((held.shape[0], 1), -1)], dim=1)
-        widened.scatter_(1, slot, torch.where(accepted, proposals, -1))
-        experts[rows] = widened[:, :k]
+        new_held = _fill_free_slots(held, proposals, accepted)
+        if rows is None:
+            experts = new_held
+        else:
+            experts[rows] = new_held
         round_index += 1
-        if not any_refused:
+        if total_refused == 0:
             break
         # Only tokens just refused can gain anything: the others got all they asked for, and
         # room never grows back.
-        rows = rows[(valid & ~accepted).any(dim=1)]
+        refused_rows = (valid & ~accepted).any(dim=1)
+        rows = refused_rows.nonzero().squeeze(1) if rows is None else rows[refused_rows]
     return _finish(scores, biased, experts, top_k, renormalize)
+
+
+def _accept(proposals, valid, bins, hist, refused, group):
+    """Expert j refuses its ``refused[j]`` lowest-scoring proposals: the lowest admitted one has
+    ascending rank ``refused[j]``; bins above that one's bin are in, bins below are out, and the
+    boundary bin admits its remaining quota in global token order."""
+    oversubscribed = refused > 0
+    boundary, below = bin_of_rank(hist, refused)
+    boundary = torch.where(oversubscribed, boundary, -1)  # -1: every bin is above the boundary
+    in_boundary_bin = hist.gather(1, boundary.clamp(min=0).unsqueeze(1)).squeeze(1)
+    admit_in_boundary = torch.where(oversubscribed, in_boundary_bin - (refused - below), 0)
+    admitted = _boundary_admission(proposals, valid, bins, boundary, admit_in_boundary, group)
+    return (bins > boundary[proposals]) | admitted
+
+
+def _fill_free_slots(held, proposals, accepted):
+    """Rows keep their experts first and free slots (-1) last; accepted proposals fill the free
+    slots in order."""
+    k = held.shape[1]
+    slot = (held >= 0).sum(1, keepdim=True) + accepted.cumsum(1) - 1
+    slot = torch.where(accepted, slot, k)  # a spare column takes the rest
+    widened = torch.cat([held, held.new_full((held.shape[0], 1), -1)], dim=1)
+    widened.scatter_(1, slot, torch.where(accepted, proposals, -1))
+    return widened[:, :k]
 
 
 def _finish(scores, biased, experts, top_k, renormalize) -> Routing:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ext.moe.quantile_histogram import Bound, histogram_counts, histogram_quantile
+from megatron_ext.moe.quantile_histogram import Bound, histogram_bins, histogram_counts, histogram_quantile
 from megatron_ext.moe.quantile_routing import check_scores
 
 __all__ = ["dual_bias_range", "dual_bias_histogram", "dual_bias_update"]
@@ -46,7 +46,7 @@ def dual_bias_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, lo: Bo
     alpha = (scores + bias).topk(k + 1, dim=1).values[:, k:]
     residual = alpha - scores
     experts = torch.arange(num_experts, device=scores.device).expand_as(scores)
-    return histogram_counts(experts, residual, lo, hi, num_bins, num_experts)
+    return histogram_counts(experts, histogram_bins(residual, lo, hi, num_bins), num_experts, num_bins)
 
 
 def dual_bias_update(counts: torch.Tensor, lo: Bound, hi: Bound, k: int) -> torch.Tensor:

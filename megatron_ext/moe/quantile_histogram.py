@@ -22,11 +22,12 @@ def histogram_bins(values: torch.Tensor, lo: Bound, hi: Bound, num_bins: int) ->
     return scaled.floor().clamp_(0, num_bins - 1).long()
 
 
-def histogram_counts(rows: torch.Tensor, values: torch.Tensor, lo: Bound, hi: Bound, num_bins: int,
-                     num_rows: int, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 counts ``[num_rows, num_bins]``: ``values[m]`` counted in row ``rows[m]`` where
-    ``valid[m]`` (all when None). Fixed output shape and no host sync, so it can be all-reduced."""
-    flat = rows * num_bins + histogram_bins(values, lo, hi, num_bins)
+def histogram_counts(rows: torch.Tensor, bins: torch.Tensor, num_rows: int, num_bins: int,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 counts ``[num_rows, num_bins]``: one count at ``(rows[m], bins[m])`` for every ``m``
+    where ``valid[m]`` (all when None). Fixed output shape and no host sync, so it can be
+    all-reduced."""
+    flat = rows * num_bins + bins
     if valid is not None:
         flat = torch.where(valid, flat, num_rows * num_bins)  # one spare bin swallows the invalid
     counts = torch.bincount(flat.reshape(-1), minlength=num_rows * num_bins + 1)

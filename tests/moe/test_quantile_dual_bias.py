@@ -5,6 +5,7 @@ from megatron_ext.moe.quantile import (
     dual_bias_histogram,
     dual_bias_range,
     dual_bias_update,
+    histogram_bins,
     histogram_counts,
     histogram_quantile,
     topk_routing,
@@ -24,7 +25,7 @@ def test_histogram_quantile_is_within_one_bin_of_exact(n, num_bins):
     lo, hi, rows = -2.0, 3.0, 6
     values = _values(rows, n, seed=n + num_bins)
     index = torch.arange(rows).unsqueeze(1).expand_as(values)
-    counts = histogram_counts(index, values, lo, hi, num_bins, rows)
+    counts = histogram_counts(index, histogram_bins(values, lo, hi, num_bins), rows, num_bins)
     assert counts.dtype == torch.int64 and counts.sum().item() == rows * n
     width = (hi - lo) / num_bins
     for q in [0.0, 0.03125, 0.25, 0.5, 0.9, 1.0]:
