@@ -1,0 +1,123 @@
+"""Expert-parallel all-to-all token dispatcher (any device: gloo on CPU, NCCL on CUDA).
+
+Forward of one MoE layer on one EP rank (``N`` local tokens, top-``k``, ``E`` experts,
+``P`` EP ranks, ``L = E / P`` local experts):
+
+1. permute: stable-sort the ``N * k`` (token, slot) pairs by expert (dropped pairs, expert
+   ``-1``, sort last and are cut off) and gather their rows: ``[n_kept, h]``;
+2. :meth:`AllToAllDispatcher.global_counts`: all-gather the ``[E]`` local counts into
+   ``[P, E]`` so every rank knows what it sends to and receives from every rank (one host sync:
+   the split sizes must be Python ints);
+3. all-to-all with uneven splits: rows arrive grouped by (source rank, local expert);
+4. sort the received rows by local expert: ``[M, h]`` plus ``tokens_per_expert [L]``.
+
+:meth:`AllToAllDispatcher.combine` reverses 4-3-1 and sums each token's ``k`` expert outputs
+weighted by its fp32 gates. With ``P = 1`` there is no communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_to_all_single
+
+from megatron_ext.moe.experts import group_rank, group_size
+from megatron_ext.moe.quantile import Routing
+
+__all__ = ["AllToAllDispatcher", "DispatchState"]
+
+
+@dataclass
+class DispatchState:
+    """What :meth:`AllToAllDispatcher.combine` needs from the matching dispatch."""
+
+    pair_order: torch.Tensor  # [n_kept] flat (token * k + slot) ids of kept pairs, sorted by expert
+    send_splits: list[int]  # rows sent to each EP rank
+    recv_splits: list[int]  # rows received from each EP rank
+    expert_order: torch.Tensor | None  # [M] received-row order that groups rows by local expert
+    num_tokens: int
+    top_k: int
+
+
+class AllToAllDispatcher:
+    """Moves (token, expert) pairs to the EP rank owning the expert and back."""
+
+    def __init__(self, num_experts: int, ep_group: dist.ProcessGroup | None):
+        self.ep_group = ep_group
+        self.ep_size = group_size(ep_group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_moe_experts ({num_experts}) must be divisible by the expert-parallel "
+                             f"size ({self.ep_size})")
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        self.ep_rank = group_rank(ep_group)
+
+    def global_counts(self, local_counts: torch.Tensor) -> torch.Tensor:
+        """``[P, E]`` int64: row ``r`` = pairs EP rank ``r`` routes to each expert.
+
+        The capacity balancer hooks in here: it must leave ``local_counts`` consistent with the
+        routing it hands to :meth:`dispatch`.
+        """
+        if self.ep_size == 1:
+            return local_counts.unsqueeze(0)
+        gathered = [torch.empty_like(local_counts) for _ in range(self.ep_size)]
+        dist.all_gather(gathered, local_counts.contiguous(), group=self.ep_group)
+        return torch.stack(gathered)
+
+    def dispatch(self, hidden: torch.Tensor, routing: Routing, counts_per_rank: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """``hidden [N, h]`` -> (``expert_input [M, h]`` sorted by local expert,
+        ``tokens_per_expert [L]`` int64 on ``hidden``'s device, state for :meth:`combine`)."""
+        num_tokens, top_k = routing.experts.shape
+        num_local = self.num_local_experts
+        # The one host sync of the layer: split sizes (and the kept-pair count) as Python ints.
+        counts_host = counts_per_rank.cpu()
+        send_splits = counts_host[self.ep_rank].view(self.ep_size, num_local).sum(1).tolist()
+        mine = counts_host[:, self.ep_rank * num_local:(self.ep_rank + 1) * num_local]  # [P, L]
+        recv_splits = mine.sum(1).tolist()
+
+        flat_experts = routing.experts.reshape(-1)
+        sort_key = flat_experts.where(flat_experts >= 0, self.num_experts)  # dropped pairs last
+        pair_order = torch.sort(sort_key, stable=True).indices[:sum(send_splits)]
+        permuted = hidden.index_select(0, pair_order // top_k)
+
+        tokens_per_expert = mine.sum(0).to(hidden.device)
+        expert_order = None
+        if self.ep_size == 1:
+            received = permuted  # already grouped by expert
+        else:
+            received = _all_to_all(permuted, recv_splits, send_splits, self.ep_group)
+            # Rows arrive as blocks (source rank r, local expert e); regroup by e, keeping r order.
+            block_expert = torch.arange(num_local).repeat(self.ep_size)
+            row_expert = block_expert.repeat_interleave(mine.reshape(-1)).to(hidden.device)
+            expert_order = torch.sort(row_expert, stable=True).indices
+            received = received.index_select(0, expert_order)
+        state = DispatchState(pair_order, send_splits, recv_splits, expert_order, num_tokens, top_k)
+        return received, tokens_per_expert, state
+
+    def combine(self, expert_output: torch.Tensor, gates: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """``expert_output [M, h]`` (dispatch order) -> ``[N, h]``: sum_k gate * output, in fp32,
+        returned in ``expert_output``'s dtype. Dropped pairs contribute nothing."""
+        out = expert_output
+        if state.expert_order is not None:
+            unsort = torch.empty_like(state.expert_order)
+            unsort[state.expert_order] = torch.arange(len(unsort), device=unsort.device)
+            out = out.index_select(0, unsort)
+            out = _all_to_all(out, state.send_splits, state.recv_splits, self.ep_group)
+        hidden_size = out.shape[-1]
+        # Scatter into a dense [N * k, h] slot buffer (each slot written at most once, so this is
+        # deterministic on every device), then reduce over k with the gates.
+        slots = out.new_zeros(state.num_tokens * state.top_k, hidden_size)
+        slots = slots.index_copy(0, state.pair_order, out)
+        slots = slots.view(state.num_tokens, state.top_k, hidden_size).float()
+        combined = torch.bmm(gates.unsqueeze(1), slots).squeeze(1)
+        return combined.to(expert_output.dtype)
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Differentiable all-to-all with uneven splits (torch's autograd op swaps the splits in
+    backward; works on gloo and NCCL)."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)

@@ -1,0 +1,160 @@
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron_ext.moe.dispatcher import AllToAllDispatcher
+from megatron_ext.moe.experts import GroupedExperts, ffn
+from megatron_ext.moe.layer import MoELayer, moe_layer_spec
+from megatron_ext.moe.quantile import Routing
+from tests._dist import run_distributed
+from tests.moe.test_moe_router import moe_config
+
+SEQ, BATCH, HIDDEN = 6, 2, 16
+
+
+def _reference_moe(x, routing, w1, w2, gated=True):
+    """out[n] = sum over kept slots of gate * expert(x[n]), one token at a time (fp64)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for n in range(x.shape[0]):
+        for e, g in zip(routing.experts[n].tolist(), routing.gates[n].tolist()):
+            if e >= 0:
+                out[n] += g * ffn(x[n].double(), w1[e].double(), w2[e].double(), F.silu, gated)
+    return out.float()
+
+
+def _random_routing(num_tokens, num_experts, k, drop_share, seed):
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(num_tokens)])
+    dropped = torch.rand(num_tokens, k, generator=g) < drop_share
+    experts = experts.masked_fill(dropped, -1)
+    gates = torch.rand(num_tokens, k, generator=g).masked_fill(dropped, 0.0)
+    zero = torch.zeros((), dtype=torch.int64)
+    return Routing(experts, gates, dropped.sum(), zero)
+
+
+def _dispatch_combine(dispatcher, experts, x, routing):
+    from megatron_ext.moe.router import expert_counts
+
+    counts = dispatcher.global_counts(expert_counts(routing.experts, dispatcher.num_experts))
+    expert_input, tokens_per_expert, state = dispatcher.dispatch(x, routing, counts)
+    assert expert_input.shape[0] == int(tokens_per_expert.sum())
+    return dispatcher.combine(experts(expert_input, tokens_per_expert), routing.gates, state)
+
+
+def test_dispatcher_skips_dropped_pairs_single_rank():
+    config = moe_config()
+    experts = GroupedExperts(config, 8, None, None, seed=3)
+    x = torch.randn(20, HIDDEN)
+    routing = _random_routing(20, 8, 2, drop_share=0.3, seed=1)
+    routing.experts[0] = -1  # a token with every slot dropped gets zeros
+    routing.gates[0] = 0.0
+    out = _dispatch_combine(AllToAllDispatcher(8, None), experts, x, routing)
+    torch.testing.assert_close(out, _reference_moe(x, routing, experts.w1, experts.w2))
+    assert out[0].abs().max() == 0
+
+
+def _layers(config, group, world):
+    """The one-rank layer and the EP layer, from the same seed (so the same global weights)."""
+    torch.manual_seed(0)
+    reference = MoELayer(config, ProcessGroupCollection())
+    torch.manual_seed(0)
+    parallel = MoELayer(config, ProcessGroupCollection(ep=group, expt_dp=None))
+    return reference, parallel
+
+
+def _ep_parity_worker(rank, world, cases):
+    group = dist.new_group(list(range(world)))
+    for config_overrides, use_grouped_mm in cases:  # one process start (megatron import) for all
+        _check_ep_parity(rank, world, group, moe_config(**config_overrides), use_grouped_mm)
+    return True
+
+
+def _check_ep_parity(rank, world, group, config, use_grouped_mm):
+    reference, parallel = _layers(config, group, world)
+    for layer in (reference, parallel):
+        layer.experts.use_grouped_mm = use_grouped_mm
+    local = slice(rank * config.num_moe_experts // world, (rank + 1) * config.num_moe_experts // world)
+    assert torch.equal(parallel.experts.w1, reference.experts.w1[local])  # EP-independent init
+    assert torch.equal(parallel.router.weight, reference.router.weight)
+    if reference.router.expert_bias is not None:  # a non-zero bias must select identically
+        bias = torch.randn(config.num_moe_experts, generator=torch.Generator().manual_seed(5)) * 0.2
+        reference.router.expert_bias.copy_(bias)
+        parallel.router.expert_bias.copy_(bias)
+
+    g = torch.Generator().manual_seed(11)
+    x_all = torch.randn(SEQ * world, BATCH, HIDDEN, generator=g)
+    probe_all = torch.randn(SEQ * world, BATCH, HIDDEN, generator=g)
+    mine = slice(rank * SEQ, (rank + 1) * SEQ)
+
+    x_ref = x_all.clone().requires_grad_()
+    out_ref, bias = reference(x_ref)
+    assert bias is None and out_ref.shape == x_ref.shape
+    (out_ref * probe_all).sum().backward()
+    x_par = x_all[mine].clone().requires_grad_()
+    out_par, _ = parallel(x_par)
+    (out_par * probe_all[mine]).sum().backward()
+
+    torch.testing.assert_close(out_par, out_ref[mine])
+    torch.testing.assert_close(x_par.grad, x_ref.grad[mine])
+    torch.testing.assert_close(parallel.experts.w1.grad, reference.experts.w1.grad[local])
+    torch.testing.assert_close(parallel.experts.w2.grad, reference.experts.w2.grad[local])
+    # Replicated params see this rank's tokens only: their grads sum to the reference (as DP would).
+    replicated = [("router", parallel.router.weight, reference.router.weight)]
+    if parallel.shared_expert is not None:
+        replicated += [("shared.w1", parallel.shared_expert.w1, reference.shared_expert.w1),
+                       ("shared.w2", parallel.shared_expert.w2, reference.shared_expert.w2)]
+    for name, p, ref in replicated:
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        torch.testing.assert_close(grad, ref.grad, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(parallel.router.global_tokens_per_expert, reference.router.local_tokens_per_expert)
+
+    # sign_bias: loads all-reduced over the group give the same update as one rank on all tokens.
+    reference.router.update_expert_bias(None)
+    parallel.router.update_expert_bias(group)
+    if reference.router.expert_bias is not None:
+        torch.testing.assert_close(parallel.router.expert_bias, reference.router.expert_bias)
+
+    # Dropped pairs through the real all-to-all, against the per-token definition.
+    routing_all = _random_routing(SEQ * world, config.num_moe_experts, config.moe_router_topk, 0.3, seed=2)
+    routing = Routing(routing_all.experts[mine], routing_all.gates[mine], routing_all.dropped, routing_all.rerouted)
+    out = _dispatch_combine(parallel.dispatcher, parallel.experts, x_all[mine, 0], routing)
+    expected = _reference_moe(x_all[mine, 0], routing, reference.experts.w1, reference.experts.w2)
+    torch.testing.assert_close(out, expected)
+
+
+def test_ep2_matches_one_rank_output_and_grads():
+    """EP2 vs one rank on the concatenated tokens: softmax + shared expert through
+    torch._grouped_mm, and sigmoid + a non-zero sign bias through the per-expert loop."""
+    cases = [
+        (dict(moe_router_score_function="softmax", moe_shared_expert_intermediate_size=8), None),
+        (dict(moe_balancer="sign_bias", moe_router_bias_update_rate=1e-2), False),
+    ]
+    assert run_distributed(_ep_parity_worker, 2, cases) == [True, True]
+
+
+def test_layer_builds_through_transformer_layer_mlp_contract():
+    config = moe_config(moe_shared_expert_intermediate_size=8)
+    torch.manual_seed(0)
+    layer = moe_layer_spec()(config=config, pg_collection=ProcessGroupCollection(), is_mtp_layer=False,
+                             name="decoder.layers.0.mlp")
+    assert isinstance(layer, MoELayer) and layer.name == "decoder.layers.0.mlp"
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    out, bias = layer(x, padding_mask=None)
+    assert out.shape == x.shape and bias is None
+    tokens = x.reshape(-1, HIDDEN)
+    routing, _ = layer.router(tokens)
+    expected = _reference_moe(tokens, routing, layer.experts.w1, layer.experts.w2)
+    expected += ffn(tokens, layer.shared_expert.w1, layer.shared_expert.w2, F.silu, True)
+    torch.testing.assert_close(out.reshape(-1, HIDDEN), expected)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(expert_tensor_parallel_size=2), "expert_tensor_parallel_size must be 1"),
+    (dict(num_moe_experts=None, moe_ffn_hidden_size=None), "num_moe_experts must be"),
+])
+def test_bad_layout_names_the_key(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        MoELayer(moe_config(**overrides), ProcessGroupCollection())
