@@ -153,7 +153,7 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
         # room never grows back.
         refused_rows = (valid & ~accepted).any(dim=1)
         rows = refused_rows.nonzero().squeeze(1) if rows is None else rows[refused_rows]
-    return _finish(scores, biased, experts, top_k, renormalize)
+    return _finish(scores, biased, experts, top_k, renormalize, global_load=capacity - room)
 
 
 def _accept(proposals, valid, bins, hist, refused, group):
@@ -180,7 +180,7 @@ def _fill_free_slots(held, proposals, accepted):
     return widened[:, :k]
 
 
-def _finish(scores, biased, experts, top_k, renormalize) -> Routing:
+def _finish(scores, biased, experts, top_k, renormalize, global_load) -> Routing:
     kept = experts >= 0
     order = biased.gather(1, experts.clamp(min=0)).masked_fill(~kept, -math.inf).argsort(dim=1, descending=True, stable=True)
     experts = experts.gather(1, order)
@@ -191,4 +191,5 @@ def _finish(scores, biased, experts, top_k, renormalize) -> Routing:
         gates=gates_from_scores(scores, experts, renormalize),
         dropped=(~kept).sum(),
         rerouted=(kept & ~in_top_k).sum(),
+        global_load=global_load,
     )

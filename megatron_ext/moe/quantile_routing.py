@@ -23,12 +23,15 @@ class Routing:
     dropped:  scalar int64, local count of dropped (token, slot) pairs.
     rerouted: scalar int64, local count of kept pairs whose expert is outside the token's
               plain top-k (by biased score).
+    global_load: ``[E]`` int64 kept pairs per expert summed over the routing group, where the
+              routing function got it for free (capacity mode); None otherwise.
     """
 
     experts: torch.Tensor
     gates: torch.Tensor
     dropped: torch.Tensor
     rerouted: torch.Tensor
+    global_load: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.experts.dtype != torch.int64 or self.experts.dim() != 2:
@@ -42,6 +45,9 @@ class Routing:
             if value.dim() != 0 or value.dtype != torch.int64:
                 raise ValueError(f"Routing.{name} must be a scalar int64 tensor, got {value.dtype} "
                                  f"of shape {tuple(value.shape)}")
+        if self.global_load is not None and (self.global_load.dim() != 1 or self.global_load.dtype != torch.int64):
+            raise ValueError(f"Routing.global_load must be a 1-D int64 tensor or None, got "
+                             f"{self.global_load.dtype} of shape {tuple(self.global_load.shape)}")
 
 
 def check_scores(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> None:

@@ -65,6 +65,7 @@ def test_capacity_is_a_hard_cap_and_nobody_loses_an_expert_that_has_room(capacit
     capacity = expert_capacity(n, k, e, capacity_factor)
     load = loads(routing.experts, e)
     assert load.max().item() <= capacity
+    assert torch.equal(routing.global_load, load)
     # A token short of k experts: every expert it does not hold is full.
     for i in torch.nonzero((routing.experts < 0).any(dim=1)).flatten().tolist():
         held = set(routing.experts[i][routing.experts[i] >= 0].tolist())
@@ -120,6 +121,17 @@ def test_ample_capacity_is_plain_topk():
     assert torch.equal(routing.experts, plain.experts)
     torch.testing.assert_close(routing.gates, plain.gates)
     assert routing.dropped.item() == 0 and routing.rerouted.item() == 0
+
+
+def test_one_round_is_capped_top_k_without_overflow():
+    n, e, k, cf = 200, 16, 4, 1.0
+    scores = skewed_scores(n, e, seed=10)
+    routing = capacity_routing(scores, k, cf, max_rounds=1)
+    demand = loads(topk_routing(scores, k).experts, e)
+    capacity = expert_capacity(n, k, e, cf)
+    assert routing.rerouted.item() == 0
+    assert routing.dropped.item() == int((demand - capacity).clamp(min=0).sum()) > 0
+    assert torch.equal(loads(routing.experts, e), demand.clamp(max=capacity))
 
 
 @pytest.mark.parametrize("bad, match", [

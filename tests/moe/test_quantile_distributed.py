@@ -36,7 +36,7 @@ def route_all_cases(scores, bias, group):
     out = []
     for capacity_factor, num_bins in CASES:
         r = capacity_routing(scores, K, capacity_factor, bias=bias, num_bins=num_bins, group=group)
-        out.append((r.experts, r.gates, r.dropped, r.rerouted))
+        out.append((r.experts, r.gates, r.dropped, r.rerouted, r.global_load))
     lo, hi = dual_bias_range(bias)
     counts = dual_bias_histogram(scores, bias, K, lo, hi, num_bins=100)
     if group is not None:
@@ -61,13 +61,14 @@ def test_multi_rank_routing_equals_one_rank_on_concatenated_batch(world_size):
     reference = route_all_cases(scores, bias, None)
     n = scores.shape[0]
     for case, (capacity_factor, _) in enumerate(CASES):
-        experts, gates, dropped, rerouted = reference[case]
+        experts, gates, dropped, rerouted, _ = reference[case]
         assert torch.equal(torch.cat([r[case][0] for r in per_rank]), experts), CASES[case]
         assert torch.equal(torch.cat([r[case][1] for r in per_rank]), gates)
         assert sum(r[case][2] for r in per_rank).item() == dropped.item()
         assert sum(r[case][3] for r in per_rank).item() == rerouted.item()
         load = torch.bincount(experts[experts >= 0], minlength=NUM_EXPERTS)
         assert load.max().item() <= expert_capacity(n, K, NUM_EXPERTS, capacity_factor)
+        assert all(torch.equal(r[case][4], load) for r in per_rank)
     # The cases are not trivial: something was rerouted, and the over-full one dropped.
     assert reference[0][2].item() > 0 and all(reference[c][3].item() > 0 for c in range(len(CASES)))
     for r in per_rank:
