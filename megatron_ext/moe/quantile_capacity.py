@@ -100,7 +100,8 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     Slots are ordered by biased score, best first, dropped (-1) last.
 
     Collectives per call: one all-reduce of ``E * num_bins`` int64 (+1) per round, plus one of
-    ``world * E`` int64 in rounds where some expert is over-subscribed; one host sync per round.
+    ``world * E`` int64 in rounds where some expert is over-subscribed; a few host syncs per
+    round (the loop and the refused-token subset depend on global counts).
     """
     check_scores(scores, k, bias)
     if not isinstance(num_bins, int) or num_bins < 1:

@@ -144,3 +144,14 @@ def test_capacity_routing_rejects_bad_arguments(bad, match):
     kwargs = dict(capacity_factor=1.0) | bad
     with pytest.raises(ValueError, match=match):
         capacity_routing(torch.rand(8, 4), 2, **kwargs)
+
+
+@pytest.mark.gpu
+def test_capacity_routing_on_cuda_equals_cpu():
+    scores = skewed_scores(4096, 64, seed=11)
+    bias = torch.randn(64, generator=torch.Generator().manual_seed(12)) * 0.1
+    cpu = capacity_routing(scores, 8, 1.0, bias=bias)
+    gpu = capacity_routing(scores.cuda(), 8, 1.0, bias=bias.cuda())
+    assert torch.equal(gpu.experts.cpu(), cpu.experts)
+    torch.testing.assert_close(gpu.gates.cpu(), cpu.gates)
+    assert gpu.dropped.item() == cpu.dropped.item() and gpu.rerouted.item() == cpu.rerouted.item()
