@@ -45,7 +45,7 @@ def dual_bias_histogram(scores: torch.Tensor, bias: torch.Tensor, k: int, lo: Bo
         raise ValueError(f"num_bins must be a positive int, got {num_bins!r}")
     alpha = (scores + bias).topk(k + 1, dim=1).values[:, k:]
     residual = alpha - scores
-    experts = torch.arange(num_experts, device=scores.device).expand_as(scores)
+    experts = torch.arange(num_experts, device=scores.device)  # broadcasts over tokens
     return histogram_counts(experts, histogram_bins(residual, lo, hi, num_bins), num_experts, num_bins)
 
 

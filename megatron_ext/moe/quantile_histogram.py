@@ -19,15 +19,15 @@ def histogram_bins(values: torch.Tensor, lo: Bound, hi: Bound, num_bins: int) ->
     """int64 bin index of each value in ``num_bins`` equal bins over ``[lo, hi]``; values outside
     the range land in the edge bins."""
     scaled = (values - lo) * (num_bins / (hi - lo))
-    return scaled.floor().clamp_(0, num_bins - 1).long()
+    return scaled.floor_().clamp_(0, num_bins - 1).long()
 
 
 def histogram_counts(rows: torch.Tensor, bins: torch.Tensor, num_rows: int, num_bins: int,
                      valid: torch.Tensor | None = None) -> torch.Tensor:
     """int64 counts ``[num_rows, num_bins]``: one count at ``(rows[m], bins[m])`` for every ``m``
-    where ``valid[m]`` (all when None). Fixed output shape and no host sync, so it can be
-    all-reduced."""
-    flat = rows * num_bins + bins
+    where ``valid[m]`` (all when None); ``rows`` broadcasts against ``bins``. Fixed output shape
+    and no host sync, so it can be all-reduced."""
+    flat = bins + rows * num_bins
     if valid is not None:
         flat = torch.where(valid, flat, num_rows * num_bins)  # one spare bin swallows the invalid
     counts = torch.bincount(flat.reshape(-1), minlength=num_rows * num_bins + 1)
