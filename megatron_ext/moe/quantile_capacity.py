@@ -124,7 +124,7 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
         else:
             held = experts[rows]
             proposals, valid = _propose(biased[rows], held, (held < 0).sum(1), room, k)
-            proposal_scores = scores[rows].gather(1, proposals)
+            proposal_scores = scores[rows.unsqueeze(1), proposals]
         bins = histogram_bins(proposal_scores, lo, hi, num_bins)
         hist = histogram_counts(proposals, bins, num_experts, num_bins, valid)
         # The token count rides along (fixed shape); round 1 uses it to fix the capacity.
