@@ -68,7 +68,28 @@ def _ep_parity_worker(rank, world, cases):
     group = dist.new_group(list(range(world)))
     for config_overrides, use_grouped_mm in cases:  # one process start (megatron import) for all
         _check_ep_parity(rank, world, group, moe_config(**config_overrides), use_grouped_mm)
+    _check_sharded_state_dict_is_global(rank, world, group)
     return True
+
+
+def _check_sharded_state_dict_is_global(rank, world, group):
+    """Expert tensors are checkpointed as global [E, ...] tensors, this rank's slice at its EP
+    offset, behind any prepended (e.g. layer) axes; so an EP2 checkpoint loads at any EP."""
+    config = moe_config(moe_balancer="sign_bias")
+    torch.manual_seed(0)
+    layer = MoELayer(config, ProcessGroupCollection(ep=group))
+    sharded = layer.sharded_state_dict(prefix="layers.", sharded_offsets=((0, 3, 5),),
+                                       metadata={"dp_cp_group": group})
+    num_local = config.num_moe_experts // world
+    for name, param in (("w1", layer.experts.w1), ("w2", layer.experts.w2)):
+        tensor = sharded[f"layers.experts.{name}"]
+        assert tensor.key == f"layers.experts.{name}" and tensor.data is param
+        assert tensor.global_shape == (5, config.num_moe_experts) + tuple(param.shape[1:])
+        assert tensor.global_offset == (3, rank * num_local) + (0,) * (param.dim() - 1)
+        assert tensor.replica_id == (0, 0, 0)  # no expert-DP replicas: every rank writes its slice
+    bias = sharded["layers.router.expert_bias"]  # replicated over the group: only rank 0 writes
+    assert bias.global_offset == (3, 0) and bias.replica_id[-1] == rank
+    assert "layers.router.step_tokens_per_expert" not in sharded
 
 
 def _check_ep_parity(rank, world, group, config, use_grouped_mm):
@@ -125,9 +146,10 @@ def _check_ep_parity(rank, world, group, config, use_grouped_mm):
     torch.testing.assert_close(out, expected)
 
 
-def test_ep2_matches_one_rank_output_and_grads():
+def test_ep2_matches_one_rank_output_and_grads_and_checkpoints_global_experts():
     """EP2 vs one rank on the concatenated tokens: softmax + shared expert through
-    torch._grouped_mm, and sigmoid + a non-zero sign bias through the per-expert loop."""
+    torch._grouped_mm, and sigmoid + a non-zero sign bias through the per-expert loop; then the
+    sharded state dict layout."""
     cases = [
         (dict(moe_router_score_function="softmax", moe_shared_expert_intermediate_size=8), None),
         (dict(moe_balancer="sign_bias", moe_router_bias_update_rate=1e-2), False),
