@@ -15,6 +15,7 @@ Entry point: :func:`depth_attention`. Implementations:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -57,6 +58,11 @@ def depth_attention(
     if impl == "auto":
         impl = "triton" if flat[0].is_cuda else "torch"
     if impl == "triton":
+        if not flat[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"impl='triton' needs CUDA tensors (got {flat[0].device}) or TRITON_INTERPRET=1 set before "
+                "triton is imported; use impl='torch' or 'auto' on the CPU"
+            )
         if flat[0].shape[-1] > MAX_HIDDEN_TRITON:
             raise ValueError(f"impl='triton' supports h <= {MAX_HIDDEN_TRITON}, got h={flat[0].shape[-1]}")
         from kernels.attn_res.fused import FusedDepthAttention  # triton imported on first use

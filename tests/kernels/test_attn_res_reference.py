@@ -111,9 +111,11 @@ def test_bf16_sources_give_bf16_output_close_to_fp32():
         (dict(query=torch.randn(7)), "query must have shape"),
         (dict(norm_weight=torch.randn(8, 1)), "norm_weight must have shape"),
         (dict(sources=torch.randn(65, 2, 8)), "number of sources"),
+        (dict(impl="triton"), "needs CUDA tensors"),
     ],
 )
-def test_bad_input_is_refused_with_a_clear_message(kwargs, message):
+def test_bad_input_is_refused_with_a_clear_message(kwargs, message, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     args = dict(sources=torch.randn(3, 4, 8), query=torch.randn(8), norm_weight=torch.randn(8), impl="torch")
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
