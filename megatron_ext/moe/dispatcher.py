@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
 
 from megatron_ext.moe.experts import group_rank, group_size
 from megatron_ext.moe.quantile import Routing
@@ -116,8 +115,28 @@ class AllToAllDispatcher:
         return combined.to(expert_output.dtype)
 
 
-def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Differentiable all-to-all with uneven splits (torch's autograd op swaps the splits in
-    backward; works on gloo and NCCL)."""
+class _AllToAll(torch.autograd.Function):
+    """All-to-all with uneven splits; backward sends the gradients back along the swapped splits.
+    (Our own: torch.distributed.nn.functional.all_to_all_single is deprecated.)"""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Differentiable all-to-all: row block ``r`` of ``x`` (``in_splits[r]`` rows) goes to rank
+    ``r``; ``out_splits[r]`` rows come back from it (gloo and NCCL)."""
+    return _AllToAll.apply(x, out_splits, in_splits, group)
