@@ -38,7 +38,7 @@ def gate_grads(f, a, bias, lower_bound, GATE: tl.constexpr):
 
 @triton.jit
 def gate_cumsum_kernel(f, A_log, dt_bias, G, chunk_start, chunk_len, lower_bound,
-                       H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                       H, K: tl.constexpr, BK: tl.constexpr,
                        GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One program per (chunk, head): G = cumsum over the chunk of gate(f), in fp32."""
     c, h = tl.program_id(0), tl.program_id(1)

@@ -35,7 +35,7 @@ def row_block(ptr, t0, r0, n, row_stride, col0, cols, ncols):
 
 
 @triton.jit
-def decay_factors(g_all, g_i, G, t0, r0, n, h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+def decay_factors(g_all, g_i, G, t0, r0, n, h, H, K: tl.constexpr, BK: tl.constexpr,
                   SAFE_GATE: tl.constexpr):
     """Factors of exp(G_t - G_s) around r = G[min(16 i, n - 1)]: rows exp(G_t - r) [16, BK] and columns
     exp(r - G_s) [64, BK], zero outside the valid tokens and outside the columns the dot path covers."""
@@ -55,7 +55,7 @@ def decay_factors(g_all, g_i, G, t0, r0, n, h, H: tl.constexpr, K: tl.constexpr,
 
 @triton.jit
 def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, chunk_start, chunk_len, scale,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
     c, h = tl.program_id(0), tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)

@@ -19,7 +19,7 @@ from kernels.kda.state import load_chunk, state_offsets, store_chunk
 
 @triton.jit
 def diag_tile_bwd(q_i, k_i, g_i, b_i, dm_i, dl_i, dq_i, dk_i, dg_i, db_i, k, G, t0, r0, n, h,
-                  H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+                  H, K: tl.constexpr, BK: tl.constexpr):
     """Diagonal 16x16 tile position by position (unbounded gate only)."""
     d, s16, t = tl.arange(0, BK), tl.arange(0, 16), tl.arange(0, 64)
     rows, kmask = r0 + s16, d < K
@@ -47,7 +47,7 @@ def diag_tile_bwd(q_i, k_i, g_i, b_i, dm_i, dl_i, dq_i, dk_i, dg_i, db_i, k, G, 
 @triton.jit
 def intra_bwd_kernel(q, k, v, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, f, A_log, dt_bias, dM_buf, dL_buf,
                      dq, dk, dv, dbeta, dg, dA_terms, chunk_start, chunk_len, scale, lower_bound,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SAFE_GATE: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                      DOT_BF16: tl.constexpr):
     c, h = tl.program_id(0), tl.program_id(1)

@@ -13,7 +13,7 @@ from kernels.kda.intra import to_dot
 
 
 @triton.jit
-def load_chunk(ptr, t0, n, h, H: tl.constexpr, D: tl.constexpr, col0, BD: tl.constexpr):
+def load_chunk(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
     """[64, BD] fp32 tile of a [T, H, D] tensor: tokens t0..t0+n-1, columns col0..col0+BD-1."""
     t, e = tl.arange(0, 64), col0 + tl.arange(0, BD)
     mask = (t < n)[:, None] & (e < D)[None, :]
@@ -21,14 +21,14 @@ def load_chunk(ptr, t0, n, h, H: tl.constexpr, D: tl.constexpr, col0, BD: tl.con
 
 
 @triton.jit
-def store_chunk(ptr, x, t0, n, h, H: tl.constexpr, D: tl.constexpr, col0, BD: tl.constexpr):
+def store_chunk(ptr, x, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
     t, e = tl.arange(0, 64), col0 + tl.arange(0, BD)
     mask = (t < n)[:, None] & (e < D)[None, :]
     tl.store(ptr + (t0 + t)[:, None] * (H * D) + h * D + e[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def state_offsets(c, h, v0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+def state_offsets(c, h, v0, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                   BV: tl.constexpr):
     d, e = tl.arange(0, BK), v0 + tl.arange(0, BV)
     offs = ((c * H + h) * K + d)[:, None] * V + e[None, :]
@@ -36,7 +36,7 @@ def state_offsets(c, h, v0, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, B
 
 
 @triton.jit
-def key_decay_to_end(k, G, t0, n, h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+def key_decay_to_end(k, G, t0, n, h, H, K: tl.constexpr, BK: tl.constexpr):
     """(kgl = k * exp(G_last - G) [64, BK], G_last [BK])."""
     d = tl.arange(0, BK)
     g = load_chunk(G, t0, n, h, H, K, 0, BK)
@@ -48,7 +48,7 @@ def key_decay_to_end(k, G, t0, n, h, H: tl.constexpr, K: tl.constexpr, BK: tl.co
 
 @triton.jit
 def state_fwd_kernel(k, W, U0, G, h0, hbuf, U, ht, seq_chunks, chunk_start, chunk_len,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_BF16: tl.constexpr):
     vb, nh = tl.program_id(0), tl.program_id(1)
     seq, h = nh // H, nh % H
@@ -62,17 +62,18 @@ def state_fwd_kernel(k, W, U0, G, h0, hbuf, U, ht, seq_chunks, chunk_start, chun
         offs_c, _ = state_offsets(c, h, v0, H, K, V, BK, BV)
         tl.store(hbuf + offs_c, S.to(hbuf.dtype.element_ty), mask=mask_s)
         w = load_chunk(W, t0, n, h, H, K, 0, BK)
-        u = load_chunk(U0, t0, n, h, H, V, v0, BV) - tl.dot(to_dot(w, DOT_BF16), to_dot(S, DOT_BF16))
+        # fp32 operands (tf32 on GPU) here: this product feeds back into the state every chunk
+        u = load_chunk(U0, t0, n, h, H, V, v0, BV) - tl.dot(w, S)
         store_chunk(U, u, t0, n, h, H, V, v0, BV)
         kgl, g_last = key_decay_to_end(k, G, t0, n, h, H, K, BK)
-        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(to_dot(kgl, DOT_BF16)), to_dot(u, DOT_BF16))
+        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kgl), u)
     if STORE_FINAL:
         tl.store(ht + offs0, S, mask=mask_s)
 
 
 @triton.jit
 def output_kernel(q, G, hbuf, Mqk, U, O, chunk_start, chunk_len, scale,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   DOT_BF16: tl.constexpr):
     vb, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
@@ -88,7 +89,7 @@ def output_kernel(q, G, hbuf, Mqk, U, O, chunk_start, chunk_len, scale,
 
 @triton.jit
 def state_bwd_kernel(q, k, W, G, Mqk, dO, dht, dhbuf, dU, dh0, seq_chunks, chunk_start, chunk_len, scale,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_BF16: tl.constexpr):
     """Reverse walk: du = Mqk^T dO + kgl dS_next;  dS = exp(Gl) dS_next - w^T du + (scale q exp(G))^T dO."""
     vb, nh = tl.program_id(0), tl.program_id(1)
