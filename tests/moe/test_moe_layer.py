@@ -157,20 +157,28 @@ def test_ep2_matches_one_rank_output_and_grads_and_checkpoints_global_experts():
     assert run_distributed(_ep_parity_worker, 2, cases) == [True, True]
 
 
-def test_layer_builds_through_transformer_layer_mlp_contract():
-    config = moe_config(moe_shared_expert_intermediate_size=8)
+def test_moe_layer_is_a_transformer_layer_mlp():
+    """Built by Megatron's TransformerLayer from the spec; the layer adds x + moe(x) with grads."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    config = moe_config(moe_shared_expert_intermediate_size=8, hidden_dropout=0.0)
     torch.manual_seed(0)
-    layer = moe_layer_spec()(config=config, pg_collection=ProcessGroupCollection(), is_mtp_layer=False,
-                             name="decoder.layers.0.mlp")
-    assert isinstance(layer, MoELayer) and layer.name == "decoder.layers.0.mlp"
-    x = torch.randn(SEQ, BATCH, HIDDEN)
-    out, bias = layer(x, padding_mask=None)
-    assert out.shape == x.shape and bias is None
-    tokens = x.reshape(-1, HIDDEN)
-    routing, _ = layer.router(tokens)
-    expected = _reference_moe(tokens, routing, layer.experts.w1, layer.experts.w2)
-    expected += ffn(tokens, layer.shared_expert.w1, layer.shared_expert.w2, F.silu, True)
-    torch.testing.assert_close(out.reshape(-1, HIDDEN), expected)
+    submodules = TransformerLayerSubmodules(mlp=moe_layer_spec(), mlp_bda=get_bias_dropout_add)
+    block = TransformerLayer(config, submodules, layer_number=3, pg_collection=ProcessGroupCollection())
+    moe = block.mlp
+    assert isinstance(moe, MoELayer) and moe.layer_number == 3
+    x = torch.randn(SEQ, BATCH, HIDDEN, requires_grad=True)
+    out, _ = block(x, attention_mask=None)
+
+    tokens = x.detach().reshape(-1, HIDDEN)
+    routing, _ = moe.router(tokens)
+    expected = _reference_moe(tokens, routing, moe.experts.w1, moe.experts.w2)
+    expected += ffn(tokens, moe.shared_expert.w1, moe.shared_expert.w2, F.silu, True)
+    torch.testing.assert_close(out.detach(), x.detach() + expected.view_as(x))
+    (out * torch.randn_like(out)).sum().backward()
+    for p in (x, moe.router.weight, moe.experts.w1, moe.experts.w2, moe.shared_expert.w1):
+        assert p.grad is not None and p.grad.abs().max() > 0
 
 
 @pytest.mark.parametrize("overrides,match", [
