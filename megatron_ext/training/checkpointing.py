@@ -1,0 +1,245 @@
+"""Atomic distributed checkpoints on ``megatron.core.dist_checkpointing``.
+
+Layout of ``save_dir``::
+
+    latest_checkpointed_iteration.txt   # "100": the newest complete checkpoint
+    iter_0000100/                        # one dist_checkpointing (torch_dist) checkpoint
+    iter_0000200.tmp/                    # a save in progress (or one that crashed)
+
+A save writes everything into ``iter_XXXXXXX.tmp``; after every rank finished (barrier),
+rank 0 fsyncs it, renames it to ``iter_XXXXXXX`` and atomically replaces the tracker
+(write tmp + fsync + ``os.replace``). A crash at any point leaves the previous checkpoint and
+tracker untouched; leftover ``.tmp`` directories are ignored by ``find_latest_checkpoint`` and
+deleted by rank 0 at the next save.
+
+What goes in: the caller's sharded state dict (model / optimizer ``ShardedTensor``s, whose
+global layout lets ``load_checkpoint`` reshard across TP/PP/EP), the common state (identical on
+all ranks: iteration, consumed samples, scheduler, merged config; stored once by
+dist_checkpointing), and each rank's RNG states (Python, NumPy, torch CPU, CUDA when present)
+as a ``ShardedObject`` of global shape ``(world_size,)`` at offset ``(rank,)`` — per-rank state
+cannot live in the common part, which only rank 0 writes. RNG is restored only when the world
+size is unchanged; a resharded run reseeds instead.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_COMMON_KEY = "common"
+_RNG_KEY = "rng_state"
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def _is_complete(path: str) -> bool:
+    # dist_checkpointing writes metadata.json last (after all shards), so it marks completion.
+    return os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+# ------------------------------------------------------------------------------------ RNG
+
+
+def get_rng_state() -> dict:
+    """This process's RNG states as plain lists/tensors (safe for ``weights_only`` loading)."""
+    version, keys, gauss = random.getstate()
+    algo, np_keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": [version, list(keys), gauss],
+        "numpy": [algo, torch.from_numpy(np_keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, keys, gauss = state["python"]
+    random.setstate((version, tuple(keys), gauss))
+    algo, np_keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((algo, np_keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------ save / load
+
+
+def save_checkpoint(
+    save_dir: str,
+    iteration: int,
+    sharded_state_dict: dict,
+    common_state: Optional[dict] = None,
+    *,
+    config: Optional[dict] = None,
+    save_rng: bool = True,
+) -> str:
+    """Save atomically to ``save_dir/iter_XXXXXXX``; every rank must call it. Returns the path.
+
+    ``common_state`` holds small picklable values (ints, floats, str, lists, dicts, tensors)
+    that are the same on every rank; ``config`` is the merged config dict
+    (``LoadedConfig.to_dict()``), stored with it.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if not torch.cuda.is_available():
+        # dist_checkpointing's writer calls torch.cuda.synchronize() after its device-to-host
+        # copies (filesystem_async.preload_tensors); cpu_compat makes that a no-op on the CPU.
+        from megatron_ext import cpu_compat
+
+        cpu_compat.install()
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    final = os.path.join(save_dir, checkpoint_name(iteration))
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(save_dir, exist_ok=True)
+        remove_stale_temp_dirs(save_dir)
+        os.makedirs(tmp)
+    _barrier()
+    state = dict(sharded_state_dict)
+    state[_COMMON_KEY] = {**(common_state or {}), "iteration": iteration, "world_size": world,
+                          "config": config}
+    if save_rng:
+        state[_RNG_KEY] = ShardedObject(_RNG_KEY, get_rng_state(), (world,), (rank,), replica_id=0)
+    dist_checkpointing.save(state, tmp)
+    _barrier()
+    if rank == 0:
+        _fsync_tree(tmp)
+        if os.path.exists(final):  # re-saving an iteration (e.g. after a restart): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_path(save_dir)
+        _write_atomic(os.path.join(save_dir, TRACKER_FILE), f"{iteration}\n")
+    _barrier()
+    return final
+
+
+def remove_stale_temp_dirs(save_dir: str) -> list[str]:
+    """Delete ``iter_*.tmp`` directories (interrupted saves); rank 0 only. Returns them."""
+    removed = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if name.startswith("iter_") and name.endswith(".tmp") and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def find_latest_checkpoint(load_dir: str) -> Optional[tuple[int, str]]:
+    """(iteration, path) of the newest complete checkpoint in ``load_dir``, or None.
+
+    The tracker names it when it points at a complete ``iter_`` directory; otherwise (tracker
+    missing, stale or corrupt) the newest complete directory wins. ``.tmp`` directories and
+    directories without ``metadata.json`` never count.
+    """
+    if not os.path.isdir(load_dir):
+        return None
+    try:
+        with open(os.path.join(load_dir, TRACKER_FILE)) as f:
+            tracked = int(f.read().strip())
+        path = os.path.join(load_dir, checkpoint_name(tracked))
+        if _is_complete(path):
+            return tracked, path
+    except (OSError, ValueError):
+        pass
+    found = []
+    for name in os.listdir(load_dir):
+        match = _ITER_RE.match(name)
+        if match and _is_complete(os.path.join(load_dir, name)):
+            found.append((int(match.group(1)), os.path.join(load_dir, name)))
+    return max(found) if found else None
+
+
+def load_checkpoint(
+    load_dir: str,
+    sharded_state_dict: dict,
+    *,
+    iteration: Optional[int] = None,
+    load_rng: bool = True,
+    strict: str = "assume_ok_unexpected",
+) -> Optional[tuple[dict, dict]]:
+    """Load the newest complete checkpoint (or ``iteration``) into the layout of
+    ``sharded_state_dict``; every rank must call it.
+
+    Returns ``(state_dict, common_state)``: the loaded tensors/objects keyed like
+    ``sharded_state_dict`` (copy them into the model/optimizer) and the common state (with
+    ``iteration``, ``world_size``, ``config`` and the caller's keys), or None when there is no
+    checkpoint. RNG states are restored when ``load_rng`` and the world size matches.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    if iteration is None:
+        found = find_latest_checkpoint(load_dir)
+        if found is None:
+            return None
+        iteration, path = found
+    else:
+        path = os.path.join(load_dir, checkpoint_name(iteration))
+        if not _is_complete(path):
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no metadata.json)")
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    common = dist_checkpointing.load_common_state_dict(path)[_COMMON_KEY]
+    request = dict(sharded_state_dict)
+    restore_rng = load_rng and common["world_size"] == world
+    if restore_rng:
+        request[_RNG_KEY] = ShardedObject(_RNG_KEY, None, (world,), (rank,), replica_id=0)
+    loaded = dist_checkpointing.load(request, path, strict=strict)
+    if restore_rng:
+        set_rng_state(loaded.pop(_RNG_KEY))
+    loaded.pop(_COMMON_KEY, None)
+    return loaded, common
+
+
+def common_state_of(path: str) -> dict[str, Any]:
+    """The common state of one checkpoint directory (no process group needed)."""
+    from megatron.core import dist_checkpointing
+
+    return dist_checkpointing.load_common_state_dict(path)[_COMMON_KEY]

@@ -1,0 +1,147 @@
+"""Atomic dist_checkpointing saves: exact round trip, resharded loads, RNG, and crash safety."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_ext.training import checkpointing as ckpt
+from tests._dist import free_port, run_distributed
+
+ROWS, COLS = 8, 6
+
+
+def _reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, COLS, generator=g), torch.randn(5, generator=g)
+
+
+def _sharded(weight_local, bias, rank, world):
+    """The weight is split by rows over the ranks; the bias is replicated on every rank."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return {
+        "model": {
+            "weight": ShardedTensor.from_rank_offsets("weight", weight_local, (0, rank, world)),
+            "bias": ShardedTensor.from_rank_offsets("bias", bias, replica_id=rank),
+        }
+    }
+
+
+def _save_worker(rank, world, save_dir, seed, iteration):
+    weight, bias = _reference(seed)
+    local = weight.chunk(world, dim=0)[rank].clone()
+    random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    np.random.seed(seed + rank)
+    common = {"consumed_samples": 64 * iteration, "scheduler": {"num_steps": iteration}}
+    path = ckpt.save_checkpoint(save_dir, iteration, _sharded(local, bias, rank, world), common,
+                                config={"lr": 0.1, "seq_length": 32})
+    # What each RNG yields right after the save: a restored run must yield the same.
+    return path, (random.random(), float(np.random.rand()), torch.rand(3))
+
+
+def _load_worker(rank, world, load_dir, iteration=None):
+    empty = torch.zeros(ROWS // world, COLS)
+    random.seed(999), torch.manual_seed(999), np.random.seed(999)
+    result = ckpt.load_checkpoint(load_dir, _sharded(empty, torch.zeros(5), rank, world), iteration=iteration)
+    if result is None:
+        return None
+    state, common = result
+    draws = (random.random(), float(np.random.rand()), torch.rand(3))
+    return state["model"]["weight"], state["model"]["bias"], common, draws
+
+
+def _save_then_load_worker(rank, world, save_dir, seed, iteration):
+    saved = _save_worker(rank, world, save_dir, seed, iteration)
+    return saved, _load_worker(rank, world, save_dir)
+
+
+def test_save_on_two_ranks_load_on_one_and_two(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    results = run_distributed(_save_then_load_worker, 2, save_dir, 7, 100)
+    saved = [r[0] for r in results]
+    assert saved[0][0] == os.path.join(save_dir, "iter_0000100")
+    assert open(os.path.join(save_dir, ckpt.TRACKER_FILE)).read().strip() == "100"
+    assert sorted(os.listdir(save_dir)) == ["iter_0000100", ckpt.TRACKER_FILE]
+    weight, bias = _reference(7)
+    for rank, (_, (w, b, common, draws)) in enumerate(results):
+        assert torch.equal(w, weight.chunk(2)[rank]) and torch.equal(b, bias)
+        expected = saved[rank][1]
+        assert draws[:2] == expected[:2] and torch.equal(draws[2], expected[2])  # per-rank RNG
+
+    (w1, b1, common, draws1), = run_distributed(_load_worker, 1, save_dir)
+    assert torch.equal(w1, weight) and torch.equal(b1, bias)
+    assert common["iteration"] == 100 and common["consumed_samples"] == 6400
+    assert common["scheduler"] == {"num_steps": 100} and common["config"]["seq_length"] == 32
+    assert common["world_size"] == 2
+    assert draws1[0] != saved[0][1][0]  # world size changed: RNG not restored
+
+
+def _crash_during_save(save_dir, port):
+    """Save iteration 1, then die (SIGKILL) after iteration 2's shards are written, before the rename."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import dist_checkpointing
+
+    ckpt.save_checkpoint(save_dir, 1, _sharded(_reference(1)[0], _reference(1)[1], 0, 1), {"step": 1})
+    real_save = dist_checkpointing.save
+
+    def save_then_die(*args, **kwargs):
+        real_save(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    dist_checkpointing.save = save_then_die
+    ckpt.save_checkpoint(save_dir, 2, _sharded(_reference(2)[0], _reference(2)[1], 0, 1), {"step": 2})
+
+
+def test_a_killed_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    code = ("import sys; from tests.training.test_checkpointing import _crash_during_save; "
+            "_crash_during_save(sys.argv[1], int(sys.argv[2]))")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    log = tmp_path / "crash.log"
+    with open(log, "w") as out:
+        # Own session: dist_checkpointing's writer helper processes outlive a SIGKILLed parent,
+        # so the whole group is killed afterwards.
+        proc = subprocess.Popen([sys.executable, "-c", code, save_dir, str(free_port())], cwd=root,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=240)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert os.path.isdir(os.path.join(save_dir, "iter_0000002.tmp"))  # the partial save
+    # Also a directory that looks final but never got its metadata (e.g. copied by hand).
+    os.makedirs(os.path.join(save_dir, "iter_0000003"))
+    assert ckpt.find_latest_checkpoint(save_dir) == (1, os.path.join(save_dir, "iter_0000001"))
+    os.remove(os.path.join(save_dir, ckpt.TRACKER_FILE))  # even without the tracker
+    assert ckpt.find_latest_checkpoint(save_dir)[0] == 1
+
+    (loaded, bad_iteration, empty), = run_distributed(_recover_worker, 1, save_dir, str(tmp_path / "none"))
+    w, b, common, _ = loaded
+    assert common["step"] == 1 and torch.equal(w, _reference(1)[0]) and torch.equal(b, _reference(1)[1])
+    assert "not a complete checkpoint" in bad_iteration and empty is None
+    assert not os.path.exists(os.path.join(save_dir, "iter_0000002.tmp"))  # cleaned by the next save
+    assert ckpt.find_latest_checkpoint(save_dir)[0] == 4
+    assert ckpt.find_latest_checkpoint(str(tmp_path / "nothing")) is None
+
+
+def _recover_worker(rank, world, save_dir, empty_dir):
+    loaded = _load_worker(rank, world, save_dir)
+    try:
+        _load_worker(rank, world, save_dir, 3)
+        bad_iteration = "loaded"
+    except FileNotFoundError as exc:
+        bad_iteration = str(exc)
+    empty = _load_worker(rank, world, empty_dir)
+    _save_worker(rank, world, save_dir, 5, 4)
+    return loaded, bad_iteration, empty
