@@ -53,7 +53,7 @@ class MoELayer(MegatronModule):
         # One draw from the default CPU generator (identical on every rank of a pipeline stage,
         # whatever the EP layout); every weight below derives its private seed from it.
         seed = int(torch.randint(0, 2**62, (1,)))
-        self.router = TopKRouter(config, seed)
+        self.router = TopKRouter(config, seed, capacity_group=pg_collection.ep)
         self.router.tp_group = pg_collection.tp
         self.dispatcher = AllToAllDispatcher(config.num_moe_experts, pg_collection.ep)
         self.experts = GroupedExperts(config, self.dispatcher.num_local_experts, pg_collection.ep,

@@ -12,7 +12,13 @@ Balancers (``config.moe_balancer``):
 * ``"sign_bias"``: loss-free bias, ``b_j += u * sign(mean_load - load_j)`` once per optimizer
   step from loads summed over the step's microbatches and the data/expert group
   (:meth:`TopKRouter.update_expert_bias`).
-* ``"qb_capacity"``, ``"qb_bias"``, ``"qb_both"``: quantile balancing, not wired in yet.
+* ``"qb_capacity"``: quantile capacity routing while training (every expert takes at most
+  ``ceil(moe_expert_capacity_factor * N_group * k / E)`` pairs over ``capacity_group``; refused
+  pairs overflow to the next-best expert with room, else are dropped); plain top-k in eval.
+* ``"qb_bias"``: dual bias; per microbatch a histogram of ``r_ij = alpha_i - s_ij`` is summed
+  into ``step_residual_histogram``; :meth:`TopKRouter.update_expert_bias` all-reduces it and
+  sets the bias to the per-expert ``k/E`` quantiles (re-centred).
+* ``"qb_both"``: capacity routing on the dual-biased scores, plus the dual-bias update.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
-from megatron_ext.moe.quantile import Routing, topk_routing
+from megatron_ext.moe.quantile import (Routing, capacity_routing, dual_bias_histogram, dual_bias_range,
+                                       dual_bias_update, topk_routing)
 
 __all__ = ["TopKRouter", "AuxLossInjector", "BALANCERS", "expert_counts", "init_on_cpu", "param_device"]
 
 BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
 _BIASED_BALANCERS = ("sign_bias", "qb_bias", "qb_both")
-_NOT_YET = ("qb_capacity", "qb_bias", "qb_both")
+_CAPACITY_BALANCERS = ("qb_capacity", "qb_both")
+_DUAL_BIAS_BALANCERS = ("qb_bias", "qb_both")
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -86,9 +94,6 @@ def _choose_balancer(config) -> str:
     balancer = getattr(config, "moe_balancer", "none")
     if balancer not in BALANCERS:
         raise ValueError(f"moe_balancer must be one of {BALANCERS}, got {balancer!r}")
-    if balancer in _NOT_YET:
-        raise NotImplementedError(f"moe_balancer={balancer!r} is not wired into TopKRouter yet; "
-                                  f"use one of {tuple(b for b in BALANCERS if b not in _NOT_YET)}")
     if config.moe_router_enable_expert_bias:
         # Megatron's finalize_model_grads would update our expert_bias a second time.
         raise ValueError("moe_router_enable_expert_bias must be False with megatron_ext's MoE router; "
@@ -96,9 +101,15 @@ def _choose_balancer(config) -> str:
     if balancer == "aux_loss" and not config.moe_aux_loss_coeff > 0:
         raise ValueError(f"moe_aux_loss_coeff must be > 0 when moe_balancer='aux_loss', "
                          f"got {config.moe_aux_loss_coeff!r}")
-    if config.moe_expert_capacity_factor is not None:
-        raise NotImplementedError("moe_expert_capacity_factor is only honoured by the quantile capacity "
-                                  "balancer, which is not wired in yet; leave it None")
+    capacity_factor = config.moe_expert_capacity_factor
+    if balancer in _CAPACITY_BALANCERS and not (capacity_factor is not None and capacity_factor > 0):
+        raise ValueError(f"moe_expert_capacity_factor must be > 0 when moe_balancer={balancer!r}, "
+                         f"got {capacity_factor!r}")
+    if balancer not in _CAPACITY_BALANCERS and capacity_factor is not None:
+        raise ValueError(f"moe_expert_capacity_factor is only used by moe_balancer in {_CAPACITY_BALANCERS}; "
+                         f"leave it None for {balancer!r}")
+    if balancer in _DUAL_BIAS_BALANCERS and not config.moe_router_topk < config.num_moe_experts:
+        raise ValueError(f"moe_router_topk must be < num_moe_experts for moe_balancer={balancer!r}")
     if config.moe_router_score_function not in ("sigmoid", "softmax"):
         raise ValueError(f"moe_router_score_function must be 'sigmoid' or 'softmax', "
                          f"got {config.moe_router_score_function!r}")
@@ -106,11 +117,19 @@ def _choose_balancer(config) -> str:
 
 
 class TopKRouter(MegatronModule):
-    """Gate ``[E, h]``; ``forward(x [N, h]) -> (Routing, local_counts [E] int64)``."""
+    """Gate ``[E, h]``; ``forward(x [N, h]) -> (Routing, local_counts [E] int64)``.
 
-    def __init__(self, config, seed: int):
+    ``capacity_group``: the ranks whose tokens share one set of expert replicas (the EP group);
+    capacity modes count tokens and enforce capacities over it (None: this rank alone).
+    """
+
+    def __init__(self, config, seed: int, capacity_group: dist.ProcessGroup | None = None):
         super().__init__(config)
         self.balancer = _choose_balancer(config)
+        self.capacity_group = capacity_group
+        self.num_bins = getattr(config, "moe_qb_num_bins", 1000)
+        if not isinstance(self.num_bins, int) or self.num_bins < 1:
+            raise ValueError(f"moe_qb_num_bins must be a positive int, got {self.num_bins!r}")
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.score_function = config.moe_router_score_function
@@ -129,6 +148,10 @@ class TopKRouter(MegatronModule):
         else:
             self.expert_bias = None
             self.step_tokens_per_expert = None
+        histogram = None
+        if self.balancer in _DUAL_BIAS_BALANCERS:
+            histogram = torch.zeros(self.num_experts, self.num_bins, dtype=torch.int64, device=device)
+        self.register_buffer("step_residual_histogram", histogram, persistent=False)
         # Statistics of the last forward, for metrics (detached).
         self.local_tokens_per_expert: torch.Tensor | None = None
         self.global_tokens_per_expert: torch.Tensor | None = None
@@ -157,18 +180,27 @@ class TopKRouter(MegatronModule):
         # Sigmoid scores are always renormalised over the chosen k; softmax follows Megatron's
         # moe_router_pre_softmax (False: softmax over the chosen k, i.e. renormalised).
         renormalize = self.score_function == "sigmoid" or not self.config.moe_router_pre_softmax
-        routing = topk_routing(scores, self.topk, self.expert_bias, renormalize=renormalize)
+        counting = self.training and torch.is_grad_enabled()  # once per microbatch, also under recompute
+        if self.balancer in _CAPACITY_BALANCERS and self.training:
+            routing = capacity_routing(scores, self.topk, self.config.moe_expert_capacity_factor,
+                                       bias=self.expert_bias, num_bins=self.num_bins,
+                                       group=self.capacity_group, renormalize=renormalize)
+        else:
+            routing = topk_routing(scores, self.topk, self.expert_bias, renormalize=renormalize)
         if self.config.moe_router_topk_scaling_factor is not None:
             routing.gates = routing.gates * self.config.moe_router_topk_scaling_factor
         counts = expert_counts(routing.experts, self.num_experts)
 
-        if self.balancer == "aux_loss" and self.training and torch.is_grad_enabled():
+        if self.balancer == "aux_loss" and counting:
             aux_loss = self.aux_loss(scores, counts)
             routing.gates = AuxLossInjector.apply(routing.gates, aux_loss)
             self.last_aux_loss = aux_loss.detach()
-        if self.step_tokens_per_expert is not None and self.training and torch.is_grad_enabled():
-            # Counted once per microbatch: activation recompute re-runs forward under grad only once.
+        if self.step_tokens_per_expert is not None and counting:
             self.step_tokens_per_expert += counts.float()
+        if self.step_residual_histogram is not None and counting:
+            lo, hi = dual_bias_range(self.expert_bias)  # fixed for the step: the bias moves only at updates
+            self.step_residual_histogram += dual_bias_histogram(scores.detach(), self.expert_bias, self.topk,
+                                                                lo, hi, self.num_bins)
 
         self.local_tokens_per_expert = counts.detach()
         self.last_dropped, self.last_rerouted = routing.dropped, routing.rerouted
@@ -189,14 +221,27 @@ class TopKRouter(MegatronModule):
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
-        """Once per optimizer step (sign_bias): all-reduce the step's loads over ``group`` (every
-        rank that routes part of the global batch through this layer: DP x EP x TP under sequence
-        parallelism), nudge the bias toward balance, reset the counters. No-op for other balancers."""
-        if self.balancer != "sign_bias":
-            return
-        loads = self.step_tokens_per_expert.clone()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(loads, group=group)
-        rate = self.config.moe_router_bias_update_rate
-        self.expert_bias += rate * torch.sign(loads.mean() - loads)
-        self.step_tokens_per_expert.zero_()
+        """Once per optimizer step, after the step's microbatches: all-reduce the step's statistics
+        over ``group`` (every rank that routes part of the global batch through this layer:
+        DP x EP x TP under sequence parallelism), update the bias, reset the statistics.
+        sign_bias: ``b += u * sign(mean load - load)``; qb_bias/qb_both: ``b = k/E`` quantiles
+        of the residuals, re-centred. No-op for balancers without a bias."""
+        if self.balancer == "sign_bias":
+            loads = _all_reduced(self.step_tokens_per_expert, group)
+            self.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(loads.mean() - loads)
+            self.step_tokens_per_expert.zero_()
+        elif self.balancer in _DUAL_BIAS_BALANCERS:
+            histogram = _all_reduced(self.step_residual_histogram, group)
+            if int(histogram.sum()) == 0:  # no training forward this step
+                return
+            lo, hi = dual_bias_range(self.expert_bias)
+            self.expert_bias.copy_(dual_bias_update(histogram, lo, hi, self.topk))
+            self.step_residual_histogram.zero_()
+            self.step_tokens_per_expert.zero_()
+
+
+def _all_reduced(tensor: torch.Tensor, group) -> torch.Tensor:
+    total = tensor.clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total

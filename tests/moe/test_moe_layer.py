@@ -131,8 +131,16 @@ def _check_ep_parity(rank, world, group, config, use_grouped_mm):
         dist.all_reduce(grad, group=group)
         torch.testing.assert_close(grad, ref.grad, msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(parallel.router.global_tokens_per_expert, reference.router.local_tokens_per_expert)
+    if config.moe_expert_capacity_factor is not None:
+        from megatron_ext.moe.quantile import expert_capacity
 
-    # sign_bias: loads all-reduced over the group give the same update as one rank on all tokens.
+        tokens = SEQ * BATCH * world
+        capacity = expert_capacity(tokens, config.moe_router_topk, config.num_moe_experts,
+                                   config.moe_expert_capacity_factor)
+        assert parallel.router.global_tokens_per_expert.max() <= capacity
+        assert reference.router.last_rerouted > 0  # the capacity actually bit
+
+    # Bias updates: statistics all-reduced over the group give the one-rank update.
     reference.router.update_expert_bias(None)
     parallel.router.update_expert_bias(group)
     if reference.router.expert_bias is not None:
@@ -148,11 +156,12 @@ def _check_ep_parity(rank, world, group, config, use_grouped_mm):
 
 def test_ep2_matches_one_rank_output_and_grads_and_checkpoints_global_experts():
     """EP2 vs one rank on the concatenated tokens: softmax + shared expert through
-    torch._grouped_mm, and sigmoid + a non-zero sign bias through the per-expert loop; then the
-    sharded state dict layout."""
+    torch._grouped_mm, sigmoid + a non-zero sign bias through the per-expert loop, and quantile
+    capacity routing over the EP group with the dual bias; then the sharded state dict layout."""
     cases = [
         (dict(moe_router_score_function="softmax", moe_shared_expert_intermediate_size=8), None),
         (dict(moe_balancer="sign_bias", moe_router_bias_update_rate=1e-2), False),
+        (dict(moe_balancer="qb_both", moe_expert_capacity_factor=1.0, moe_qb_num_bins=64), None),
     ]
     assert run_distributed(_ep_parity_worker, 2, cases) == [True, True]
 

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron_ext.moe.quantile import capacity_routing, dual_bias_histogram, dual_bias_range, dual_bias_update
 from megatron_ext.moe.router import TopKRouter, expert_counts
 
 
@@ -12,10 +13,10 @@ def moe_config(**overrides) -> TransformerConfig:
                     moe_ffn_hidden_size=8, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                     moe_router_score_function="sigmoid", use_cpu_initialization=True, init_method_std=0.3)
     settings.update(overrides)
-    balancer = settings.pop("moe_balancer", None)
+    ours = {key: settings.pop(key) for key in ("moe_balancer", "moe_qb_num_bins") if key in settings}
     config = TransformerConfig(**settings)
-    if balancer is not None:
-        config.moe_balancer = balancer  # our knob; HybridConfig will declare it
+    for key, value in ours.items():  # our knobs; HybridConfig declares them
+        setattr(config, key, value)
     return config
 
 
@@ -111,6 +112,39 @@ def test_expert_bias_stays_fp32_through_module_casts():
     assert routing.gates.dtype == torch.float32
 
 
+def test_qb_capacity_routes_by_capacity_while_training_and_by_topk_in_eval():
+    router = _router(moe_balancer="qb_capacity", moe_expert_capacity_factor=1.0, moe_qb_num_bins=64)
+    with torch.no_grad():
+        router.weight[3] += 1.0  # skew: expert 3 is everyone's favourite
+    x = torch.randn(64, 16)
+    scores = (x @ router.weight.t()).sigmoid()
+    routing, counts = router.train()(x)
+    expected = capacity_routing(scores, 2, 1.0, num_bins=64)
+    assert torch.equal(routing.experts, expected.experts)
+    torch.testing.assert_close(routing.gates, expected.gates)
+    assert counts.max() <= 64 * 2 // 8 and routing.rerouted > 0
+    routing, _ = router.eval()(x)
+    assert torch.equal(routing.experts, scores.topk(2, dim=1).indices)
+
+
+def test_qb_bias_update_is_the_dual_bias_quantile_of_the_step_and_balances_load():
+    router = _router(moe_balancer="qb_bias", moe_qb_num_bins=512)
+    with torch.no_grad():
+        router.weight[3] += 1.0
+    router.train()
+    x = torch.randn(256, 16)
+    scores = (x @ router.weight.t()).sigmoid()
+    loads_before = expert_counts(router(x[:128])[0].experts, 8) + expert_counts(router(x[128:])[0].experts, 8)
+    lo, hi = dual_bias_range(torch.zeros(8))
+    histogram = sum(dual_bias_histogram(s, torch.zeros(8), 2, lo, hi, 512) for s in scores.split(128))
+    router.update_expert_bias(group=None)
+    torch.testing.assert_close(router.expert_bias, dual_bias_update(histogram, lo, hi, 2))
+    assert router.step_residual_histogram.sum() == 0
+    loads_after = expert_counts(router(x)[0].experts, 8)
+    max_violation = lambda load: (load.max() - load.float().mean()) / load.float().mean()
+    assert max_violation(loads_after) < 0.5 * max_violation(loads_before)
+
+
 def test_expert_counts_skip_dropped_pairs():
     experts = torch.tensor([[0, 3], [-1, 3], [2, -1]])
     assert expert_counts(experts, 4).tolist() == [1, 0, 1, 2]
@@ -119,6 +153,9 @@ def test_expert_counts_skip_dropped_pairs():
 @pytest.mark.parametrize("overrides,match", [
     (dict(moe_balancer="bogus"), "moe_balancer must be one of"),
     (dict(moe_balancer="aux_loss", moe_aux_loss_coeff=0.0), "moe_aux_loss_coeff must be > 0"),
+    (dict(moe_balancer="qb_capacity"), "moe_expert_capacity_factor must be > 0"),
+    (dict(moe_balancer="none", moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor is only used"),
+    (dict(moe_balancer="qb_bias", moe_qb_num_bins=0), "moe_qb_num_bins must be a positive int"),
     (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"),
      "moe_router_enable_expert_bias must be False"),
 ])
