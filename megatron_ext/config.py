@@ -1,0 +1,153 @@
+"""The model configuration: Megatron-Core's ``TransformerConfig`` plus our fields.
+
+``HybridConfig`` is the one object the model builder reads. Fields Megatron already has keep
+Megatron's names and meaning (``num_layers``, ``num_moe_experts``, ``moe_layer_freq``, ...); the
+defaults below that differ from Megatron's describe the Kimi-style hybrid model (RMSNorm, SwiGLU,
+no biases, no dropout, no fusions that need Apex or Transformer Engine). Our own fields are
+grouped at the end, each with a comment.
+
+Bad values raise :class:`ConfigError` naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and what is allowed."""
+
+
+# Attention kinds a layer pattern may use. "K" (KDA) is registered by megatron_ext.kda.
+ATTENTION_KINDS = {"A": "full causal softmax attention (SDPA, NoPE)"}
+MOE_BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
+
+
+@dataclass
+class HybridConfig(TransformerConfig):
+    # --- Megatron fields with hybrid-model defaults -------------------------------------------
+    normalization: str = "RMSNorm"
+    layernorm_epsilon: float = 1e-6
+    add_bias_linear: bool = False
+    gated_linear_unit: bool = True
+    activation_func: Callable = F.silu
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    # Fusions that need Apex / Transformer Engine / CUDA-only JIT paths.
+    gradient_accumulation_fusion: bool = False
+    masked_softmax_fusion: bool = False
+    bias_activation_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    persist_layer_norm: bool = False
+    apply_rope_fusion: bool = False
+    # Batched p2p posts a stage's sends in one order and its peer's receives in another; with
+    # two pipeline ranks (prev == next peer) that swaps activations and gradients of equal
+    # shape under gloo. The unbatched path orders the ops by rank parity and is correct.
+    batch_p2p_comm: bool = False
+
+    # --- Our fields --------------------------------------------------------------------------
+    # Attention kind per layer, repeated cyclically over num_layers: "A" = full attention,
+    # "K" = KDA. "KKKA" gives the 3:1 hybrid.
+    attention_pattern: str = "A"
+    # Tokenizer vocabulary (before padding) and the multiple the embedding is padded to. Unlike
+    # Megatron-LM the multiple does not scale with the tensor-parallel size, so the padded
+    # vocabulary (and every checkpoint) is the same under every layout.
+    vocab_size: int = 257
+    make_vocab_size_divisible_by: int = 128
+    # Longest sequence the model is built for (NoPE: only bounds buffers and data).
+    max_sequence_length: int = 4096
+    # MoE load balancing: none | aux_loss | sign_bias | qb_capacity | qb_bias | qb_both.
+    moe_balancer: str = "none"
+
+    def __post_init__(self):
+        self._validate_hybrid()
+        super().__post_init__()
+
+    def _validate_hybrid(self):
+        if not self.attention_pattern:
+            raise ConfigError("attention_pattern must not be empty; e.g. 'A' or 'KKKA'")
+        bad = sorted(set(self.attention_pattern) - set(ATTENTION_KINDS))
+        if bad:
+            allowed = ", ".join(f"{k!r} ({v})" for k, v in ATTENTION_KINDS.items())
+            raise ConfigError(
+                f"attention_pattern={self.attention_pattern!r} uses unknown kind(s) {bad}; "
+                f"allowed: {allowed}"
+            )
+        if self.normalization != "RMSNorm":
+            raise ConfigError(f"normalization={self.normalization!r}: only 'RMSNorm' is supported")
+        if self.moe_balancer not in MOE_BALANCERS:
+            raise ConfigError(f"moe_balancer={self.moe_balancer!r}; allowed: {', '.join(MOE_BALANCERS)}")
+        if self.vocab_size < 2:
+            raise ConfigError(f"vocab_size={self.vocab_size} must be >= 2")
+        if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
+            raise ConfigError(
+                f"moe_router_topk={self.moe_router_topk} exceeds num_moe_experts="
+                f"{self.num_moe_experts}"
+            )
+
+    # --- Derived -----------------------------------------------------------------------------
+    def attention_kind(self, layer_index: int) -> str:
+        """Attention kind of the 0-based global layer ``layer_index``."""
+        return self.attention_pattern[layer_index % len(self.attention_pattern)]
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether the 0-based global layer uses MoE, from Megatron's ``moe_layer_freq``."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return layer_index % freq == 0
+        if len(freq) != self.num_layers:
+            raise ConfigError(
+                f"moe_layer_freq has {len(freq)} entries; it needs one 0/1 per layer "
+                f"(num_layers={self.num_layers})"
+            )
+        return bool(freq[layer_index])
+
+    def padded_vocab_size(self) -> int:
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+
+# Fields a user may set from YAML / flags; the rest keep the defaults above.
+USER_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "layernorm_epsilon",
+    "init_method_std",
+    "attention_pattern",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "max_sequence_length",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_layer_freq",
+    "moe_router_score_function",
+    "moe_aux_loss_coeff",
+    "moe_router_bias_update_rate",
+    "moe_expert_capacity_factor",
+    "moe_balancer",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+)
+
+
+def config_field_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(HybridConfig)}
+
+
+def default_dtype(bf16: bool) -> torch.dtype:
+    return torch.bfloat16 if bf16 else torch.float32

@@ -1,0 +1,177 @@
+"""Parallelism, one plain function per step (torchtitan style), all on Megatron-Core's pieces.
+
+* :func:`validate_layout` - refuses a TP/PP/VPP/EP/DP layout that cannot work, before any
+  process group exists, naming the setting and the values that would work;
+* :func:`initialize_parallel` - Megatron's process groups and model-parallel RNG;
+* :func:`build_model_chunks` - one model chunk per virtual pipeline stage of this rank;
+* :func:`wrap_ddp` - Megatron DDP (expert params reduced over the expert-data-parallel group);
+* :func:`build_optimizer` - Megatron's (distributed) AdamW.
+
+The layout lives in the Megatron fields of :class:`~megatron_ext.config.HybridConfig`
+(``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+``virtual_pipeline_model_parallel_size``, ``expert_model_parallel_size``, ``sequence_parallel``);
+the data-parallel size is what the world leaves.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from megatron_ext.config import ConfigError, HybridConfig
+from megatron_ext.model import build_model
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def validate_layout(config: HybridConfig, world_size: int) -> int:
+    """Check that the layout fits ``world_size`` and the model; return the data-parallel size."""
+    tp = config.tensor_model_parallel_size
+    pp = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
+    ep = config.expert_model_parallel_size
+    for name, value in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("expert_model_parallel_size", ep),
+    ):
+        if value < 1:
+            raise ConfigError(f"{name}={value} must be >= 1")
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"tensor_model_parallel_size ({tp}) x pipeline_model_parallel_size ({pp}) = {tp * pp} "
+            f"does not divide the world size {world_size}; products that do: {_divisors(world_size)}"
+        )
+    dp = world_size // (tp * pp)
+    # Experts are spread over EP ranks taken from the TP x DP ranks of a stage (expert TP = 1).
+    if (tp * dp) % ep:
+        raise ConfigError(
+            f"expert_model_parallel_size={ep} must divide tensor x data parallel size "
+            f"({tp} x {dp} = {tp * dp}) of a pipeline stage; allowed: {_divisors(tp * dp)}"
+        )
+    if config.num_moe_experts is not None and config.num_moe_experts % ep:
+        raise ConfigError(
+            f"num_moe_experts={config.num_moe_experts} is not divisible by "
+            f"expert_model_parallel_size={ep}; allowed EP sizes: {_divisors(config.num_moe_experts)}"
+        )
+    if config.num_moe_experts is None and ep > 1:
+        raise ConfigError(f"expert_model_parallel_size={ep} needs num_moe_experts to be set")
+    stages = pp * (vpp or 1)
+    if config.num_layers % stages:
+        raise ConfigError(
+            f"num_layers={config.num_layers} is not divisible by pipeline_model_parallel_size"
+            f" x virtual_pipeline_model_parallel_size = {stages}; stage counts that divide it: "
+            f"{_divisors(config.num_layers)}"
+        )
+    if vpp is not None and pp < 2:
+        raise ConfigError(
+            f"virtual_pipeline_model_parallel_size={vpp} needs pipeline_model_parallel_size >= 2"
+        )
+    heads_kv = config.num_query_groups or config.num_attention_heads
+    if config.num_attention_heads % tp or heads_kv % tp:
+        raise ConfigError(
+            f"tensor_model_parallel_size={tp} must divide num_attention_heads="
+            f"{config.num_attention_heads} and num_query_groups={heads_kv}; allowed: "
+            f"{[d for d in _divisors(heads_kv) if config.num_attention_heads % d == 0]}"
+        )
+    if config.padded_vocab_size() % tp:
+        raise ConfigError(
+            f"tensor_model_parallel_size={tp} must divide the padded vocabulary "
+            f"({config.padded_vocab_size()}); raise make_vocab_size_divisible_by to a multiple of {tp}"
+        )
+    if tp > 1 and config.num_moe_experts is not None and not config.sequence_parallel:
+        raise ConfigError(
+            "sequence_parallel must be true when tensor_model_parallel_size > 1 with MoE layers "
+            "(each TP rank routes its own sequence shard)"
+        )
+    return dp
+
+
+def initialize_parallel(config: HybridConfig, seed: int) -> ProcessGroupCollection:
+    """Create Megatron's process groups for ``config``'s layout and seed every RNG."""
+    validate_layout(config, torch.distributed.get_world_size())
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=config.tensor_model_parallel_size,
+        pipeline_model_parallel_size=config.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=config.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=config.expert_model_parallel_size,
+        expert_tensor_parallel_size=1,
+    )
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def build_model_chunks(config: HybridConfig) -> list[torch.nn.Module]:
+    """This rank's model chunks: one per virtual pipeline stage (one without interleaving)."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp) if vpp else [None]:
+        chunk = build_model(
+            config,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    return chunks
+
+
+def wrap_ddp(
+    chunks: list[torch.nn.Module],
+    config: HybridConfig,
+    use_distributed_optimizer: bool = False,
+    overlap_grad_reduce: bool = False,
+) -> list[DistributedDataParallel]:
+    """Megatron DDP around each chunk; gradients are reduced in fp32."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    wrapped = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    # Megatron's schedules call this after the last microbatch: DP/SP/embedding grad reductions.
+    config.finalize_model_grads_func = finalize_model_grads
+    return wrapped
+
+
+def build_optimizer(
+    chunks: list[DistributedDataParallel],
+    *,
+    lr: float,
+    min_lr: float = 0.0,
+    weight_decay: float = 0.1,
+    adam_beta1: float = 0.9,
+    adam_beta2: float = 0.95,
+    adam_eps: float = 1e-8,
+    clip_grad: float = 1.0,
+    bf16: bool = False,
+    use_distributed_optimizer: bool = False,
+):
+    """Megatron's AdamW (distributed over DP ranks when asked) for the DDP-wrapped chunks."""
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(opt_config, chunks)
