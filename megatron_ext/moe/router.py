@@ -31,7 +31,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_ext.moe.quantile import (Routing, capacity_routing, dual_bias_histogram, dual_bias_range,
                                        dual_bias_update, topk_routing)
 
-__all__ = ["TopKRouter", "AuxLossInjector", "BALANCERS", "expert_counts", "init_on_cpu", "param_device"]
+__all__ = ["TopKRouter", "AuxLossInjector", "BALANCERS", "expert_counts", "init_on_cpu", "param_device",
+           "update_expert_biases"]
 
 BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
 _BIASED_BALANCERS = ("sign_bias", "qb_bias", "qb_both")
@@ -245,3 +246,13 @@ def _all_reduced(tensor: torch.Tensor, group) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total
+
+
+def update_expert_biases(model_chunks, group: dist.ProcessGroup | None = None) -> None:
+    """Call :meth:`TopKRouter.update_expert_bias` on every router in ``model_chunks`` (a module
+    or a list of them), once per optimizer step, in the same order on every rank."""
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter) and module.training:
+                module.update_expert_bias(group)

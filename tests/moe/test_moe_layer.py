@@ -14,6 +14,11 @@ from tests.moe.test_moe_router import moe_config
 SEQ, BATCH, HIDDEN = 6, 2, 16
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(1234)  # the same random inputs whatever ran before
+
+
 def _reference_moe(x, routing, w1, w2, gated=True):
     """out[n] = sum over kept slots of gate * expert(x[n]), one token at a time (fp64)."""
     out = torch.zeros(x.shape, dtype=torch.float64)

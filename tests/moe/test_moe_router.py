@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_ext.moe.quantile import capacity_routing, dual_bias_histogram, dual_bias_range, dual_bias_update
-from megatron_ext.moe.router import TopKRouter, expert_counts
+from megatron_ext.moe.router import TopKRouter, expert_counts, update_expert_biases
 
 
 def moe_config(**overrides) -> TransformerConfig:
@@ -18,6 +18,11 @@ def moe_config(**overrides) -> TransformerConfig:
     for key, value in ours.items():  # our knobs; HybridConfig declares them
         setattr(config, key, value)
     return config
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(1234)  # the same random inputs whatever ran before
 
 
 def _router(seed=0, **overrides):
@@ -53,7 +58,7 @@ def test_expert_bias_selects_but_gates_stay_unbiased():
 
 
 def test_aux_loss_matches_switch_formula_and_reaches_router_weight():
-    coeff = 0.01
+    coeff = 0.5
     router = _router(moe_balancer="aux_loss", moe_aux_loss_coeff=coeff, moe_router_score_function="softmax")
     x = torch.randn(64, 16)
     routing, _ = router(x)
@@ -62,11 +67,9 @@ def test_aux_loss_matches_switch_formula_and_reaches_router_weight():
     expected = coeff * 8 * (load_share * probs.mean(0)).sum()
     torch.testing.assert_close(router.last_aux_loss, expected)
 
-    # The activations are unchanged; backward adds d(aux)/dW on top of the main gradient.
+    # The activations are unchanged; backward adds d(aux)/dW to the main gradient.
     probe = torch.randn_like(routing.gates)
     (routing.gates * probe).sum().backward()
-    with_aux = router.weight.grad.clone()
-    router.weight.grad = None
     plain = _router(moe_router_score_function="softmax")
     plain.load_state_dict(router.state_dict())
     plain_routing, _ = plain(x)
@@ -74,8 +77,8 @@ def test_aux_loss_matches_switch_formula_and_reaches_router_weight():
     (plain_routing.gates * probe).sum().backward()
     weight = router.weight.detach().clone().requires_grad_()
     (coeff * 8 * (load_share * (x @ weight.t()).softmax(-1).mean(0)).sum()).backward()
-    torch.testing.assert_close(with_aux - plain.weight.grad, weight.grad)
-    assert weight.grad.abs().max() > 0
+    assert weight.grad.abs().max() > 1e-3 * plain.weight.grad.abs().max()  # a visible contribution
+    torch.testing.assert_close(router.weight.grad, plain.weight.grad + weight.grad)
 
 
 def test_sign_bias_update_moves_toward_balance_and_resets_counts():
@@ -86,7 +89,7 @@ def test_sign_bias_update_moves_toward_balance_and_resets_counts():
     for microbatch in x.chunk(2):  # counts accumulate over microbatches
         _, counts = router(microbatch)
         loads += counts
-    router.update_expert_bias(group=None)
+    update_expert_biases(torch.nn.ModuleList([router]), group=None)
     expected = 1e-2 * torch.sign(loads.mean() - loads)
     torch.testing.assert_close(router.expert_bias, expected)
     assert (router.expert_bias[loads > loads.mean()] < 0).all()
