@@ -202,3 +202,21 @@ def test_moe_layer_is_a_transformer_layer_mlp():
 def test_bad_layout_names_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
         MoELayer(moe_config(**overrides), ProcessGroupCollection())
+
+
+@pytest.mark.gpu
+def test_layer_runs_on_cuda_in_bf16_and_grouped_mm_matches_loop():
+    config = moe_config(hidden_size=64, moe_ffn_hidden_size=32, params_dtype=torch.bfloat16,
+                        use_cpu_initialization=False, moe_shared_expert_intermediate_size=32)
+    outputs = []
+    for use_grouped_mm in (True, False):
+        torch.manual_seed(0)
+        layer = MoELayer(config, ProcessGroupCollection(), use_grouped_mm=use_grouped_mm)
+        assert layer.experts.w1.is_cuda and layer.experts.w1.dtype == torch.bfloat16
+        torch.manual_seed(1)
+        x = torch.randn(64, 2, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        out, _ = layer(x)
+        (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
+        outputs.append((out.float(), x.grad.float(), layer.experts.w1.grad.float(), layer.router.weight.grad.float()))
+    for grouped, loop in zip(*outputs):
+        torch.testing.assert_close(grouped, loop, atol=3e-2, rtol=3e-2)
