@@ -121,7 +121,6 @@ class DataConfig:
     data_cache_path: Optional[str] = None  # GPTDataset index cache; None: next to the data
     stdlib_max_mb: Optional[float] = None  # read at most this many MB of stdlib source
     eod_mask_loss: bool = False
-    num_workers: int = 0
 
     def __post_init__(self):
         _require(self.data_path is None or len(self.data_path) > 0, "data_path",
@@ -135,7 +134,6 @@ class DataConfig:
                  "split", f"comma-separated train,valid,test weights like '969,30,1', got {self.split!r}")
         mb = self.stdlib_max_mb
         _require(mb is None or mb > 0, "stdlib_max_mb", f"must be > 0 or null, got {mb}")
-        _require(self.num_workers >= 0, "num_workers", f"must be >= 0, got {self.num_workers}")
 
     def split_weights(self) -> tuple[float, float, float]:
         """Normalised (train, valid, test) fractions."""
