@@ -1,0 +1,42 @@
+# Two entry points: `make train` (tiny CPU training job) and `make test` (the test suite).
+# Both create .venv with Python 3.12 when it is missing and install the package with its
+# test extras; the install is redone when pyproject.toml changes.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# Python 3.12: `python3.12` on PATH, else a pyenv-installed 3.12.x.
+find_python312 = $(shell \
+	if python3.12 -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then \
+		command -v python3.12; \
+	elif command -v pyenv >/dev/null 2>&1; then \
+		for v in $$(pyenv versions --bare 2>/dev/null | grep '^3\.12' | sort -V -r); do \
+			p="$$(pyenv root)/versions/$$v/bin/python3.12"; \
+			if [ -x "$$p" ]; then echo "$$p"; break; fi; \
+		done; \
+	fi)
+
+.PHONY: train test install clean
+
+$(PY):
+	@py="$(call find_python312)"; \
+	if [ -z "$$py" ]; then echo "error: Python 3.12 not found (install it, or pyenv install 3.12)" >&2; exit 1; fi; \
+	echo "creating $(VENV) with $$py"; \
+	"$$py" -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $@
+
+install: $(STAMP)
+
+train: $(STAMP)
+	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 launch/train.py --config configs/tiny.yaml $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs
