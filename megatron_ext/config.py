@@ -24,8 +24,13 @@ class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and what is allowed."""
 
 
-# Attention kinds a layer pattern may use. "K" (KDA) is registered by megatron_ext.kda.
-ATTENTION_KINDS = {"A": "full causal softmax attention (SDPA, NoPE)"}
+# Attention kinds a layer pattern may use.
+ATTENTION_KINDS = {
+    "A": "full causal softmax attention (SDPA, NoPE)",
+    "K": "Kimi Delta Attention (megatron_ext.kda)",
+}
+KDA_GATES = ("lower_bound", "softplus")
+KDA_GATE_LOWER_BOUND_RANGE = (-5.0, 0.0)  # [lo, hi): the kernel's dense-tile path needs g >= -5
 MOE_BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
 
 
@@ -64,6 +69,24 @@ class HybridConfig(TransformerConfig):
     max_sequence_length: int = 4096
     # MoE load balancing: none | aux_loss | sign_bias | qb_capacity | qb_bias | qb_both.
     moe_balancer: str = "none"
+    # KDA layers ("K" in attention_pattern). None means: heads = num_attention_heads,
+    # head dim = kv_channels, gate rank = the KDA head dim.
+    kda_num_heads: int | None = None
+    kda_head_dim: int | None = None
+    # Decay gate: "lower_bound" g = lb * sigmoid(exp(A_log) * (f + dt_bias)), or "softplus"
+    # g = -exp(A_log) * softplus(f + dt_bias).
+    kda_gate: str = "lower_bound"
+    kda_gate_lower_bound: float = -5.0
+    kda_conv_size: int = 4
+    kda_gate_rank: int | None = None
+    # Block Attention Residuals (DESIGN.md section 4, megatron_ext/attn_res): each sublayer's
+    # input is a softmax over depth of the embedding, the finished block sums and the block's
+    # partial sum. Blocks: attn_res_num_blocks N (must divide the 2 * num_layers sublayers;
+    # N = 2 * num_layers is Full AttnRes), or attn_res_block_size S sublayers when set.
+    attn_res: bool = False
+    attn_res_num_blocks: int = 8
+    attn_res_block_size: int | None = None
+    attn_res_impl: str = "auto"  # depth-attention op: auto | triton | torch
 
     def __post_init__(self):
         self._validate_hybrid()
@@ -83,6 +106,10 @@ class HybridConfig(TransformerConfig):
             raise ConfigError(f"normalization={self.normalization!r}: only 'RMSNorm' is supported")
         if self.moe_balancer not in MOE_BALANCERS:
             raise ConfigError(f"moe_balancer={self.moe_balancer!r}; allowed: {', '.join(MOE_BALANCERS)}")
+        self._validate_kda()
+        from megatron_ext.attn_res.validation import validate_attn_res
+
+        validate_attn_res(self, ConfigError)
         if self.vocab_size < 2:
             raise ConfigError(f"vocab_size={self.vocab_size} must be >= 2")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
@@ -90,6 +117,22 @@ class HybridConfig(TransformerConfig):
                 f"moe_router_topk={self.moe_router_topk} exceeds num_moe_experts="
                 f"{self.num_moe_experts}"
             )
+
+    def _validate_kda(self):
+        if self.kda_gate not in KDA_GATES:
+            raise ConfigError(f"kda_gate={self.kda_gate!r}; allowed: {', '.join(KDA_GATES)}")
+        lo, hi = KDA_GATE_LOWER_BOUND_RANGE
+        if not lo <= self.kda_gate_lower_bound < hi:
+            raise ConfigError(
+                f"kda_gate_lower_bound={self.kda_gate_lower_bound} must be in [{lo}, {hi}) "
+                "(below -5 the kernel's 16-token tiles overflow fp32)"
+            )
+        if self.kda_head_dim is not None and not 16 <= self.kda_head_dim <= 256:
+            raise ConfigError(f"kda_head_dim={self.kda_head_dim} must be in [16, 256] (kernel limit)")
+        for key in ("kda_num_heads", "kda_gate_rank", "kda_conv_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"{key}={value} must be >= 1")
 
     # --- Derived -----------------------------------------------------------------------------
     def attention_kind(self, layer_index: int) -> str:
@@ -139,6 +182,16 @@ USER_FIELDS = (
     "moe_router_bias_update_rate",
     "moe_expert_capacity_factor",
     "moe_balancer",
+    "kda_num_heads",
+    "kda_head_dim",
+    "kda_gate",
+    "kda_gate_lower_bound",
+    "kda_conv_size",
+    "kda_gate_rank",
+    "attn_res",
+    "attn_res_num_blocks",
+    "attn_res_block_size",
+    "attn_res_impl",
     "recompute_granularity",
     "recompute_method",
     "recompute_num_layers",

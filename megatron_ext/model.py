@@ -38,6 +38,7 @@ from megatron.core.transformer.transformer_layer import (
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from megatron_ext.config import ConfigError, HybridConfig
+from megatron_ext.kda import kda_attention_spec
 from megatron_ext.layers.attention import SDPAttention
 from megatron_ext.layers.norm import RMSNorm
 
@@ -58,7 +59,10 @@ def full_attention_spec(config: HybridConfig) -> ModuleSpec:
 
 
 # Attention kind -> spec function. Other techniques register themselves here.
-ATTENTION_SPECS: dict[str, Callable[[HybridConfig], ModuleSpec]] = {"A": full_attention_spec}
+ATTENTION_SPECS: dict[str, Callable[[HybridConfig], ModuleSpec]] = {
+    "A": full_attention_spec,
+    "K": kda_attention_spec,
+}
 
 
 def attention_spec(config: HybridConfig, kind: str) -> ModuleSpec:
@@ -72,7 +76,7 @@ def mlp_spec(config: HybridConfig, moe: bool):
     if moe:
         from megatron_ext.moe.layer import moe_layer_spec
 
-        return moe_layer_spec(config)
+        return moe_layer_spec()
     return functools.partial(
         MLP.as_mlp_submodule,
         submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
@@ -114,9 +118,14 @@ def build_model(
     pg_collection: ProcessGroupCollection | None = None,
 ) -> GPTModel:
     """The hybrid decoder as a Megatron ``GPTModel`` for one (virtual) pipeline stage."""
-    return GPTModel(
+    model_class, block_spec = GPTModel, decoder_block_spec(config, vp_stage=vp_stage)
+    if config.attn_res:
+        from megatron_ext.attn_res import AttnResGPTModel, attn_res_block_spec
+
+        model_class, block_spec = AttnResGPTModel, attn_res_block_spec(block_spec)
+    return model_class(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, vp_stage=vp_stage),
+        transformer_layer_spec=block_spec,
         vocab_size=config.padded_vocab_size(),
         max_sequence_length=config.max_sequence_length,
         pre_process=pre_process,

@@ -1,0 +1,187 @@
+"""Kimi Delta Attention as the ``self_attention`` of a Megatron-Core ``TransformerLayer``.
+
+Data flow for one layer (``H_l`` = KDA heads on this TP rank, ``K`` = ``V`` = head dim,
+``s`` = full sequence, ``s_l`` = the local shard under sequence parallelism, else ``s``)::
+
+    x [s_l, b, h]
+      q/k/v = ColumnParallel(x) [s, b, H_l*K]  -> causal depthwise conv + SiLU -> [b, s, H_l, K]
+      f     = up(down(x))       [s, b, H_l*K]  (low-rank, raw gate input)     -> [b, s, H_l, K]
+      beta  = sigmoid(ColumnParallel(x))       [s, b, H_l]                     -> [b, s, H_l]
+      o     = KDA(q, k, v, f, beta; A_log, dt_bias)   gate + q/k L2 norm in the kernel
+      o     = RMSNorm_V(o) * sigmoid(up(down(x)))     per head, weight [V] shared by heads
+      out   = RowParallel(o [s, b, H_l*V])  -> [s_l, b, h]  (reduce-scatter under SP)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.utils import get_pg_size
+
+from megatron_ext.config import ConfigError
+from megatron_ext.kda.conv import CausalShortConv
+from megatron_ext.kda.core import kda_core
+from megatron_ext.kda.lowrank import LowRankProjection
+from megatron_ext.kda.sharding import TPShardedModule, head_split_parameter, param_device
+from megatron_ext.layers.norm import rms_norm
+
+# Kimi Linear / fla initialisation of the decay parameters.
+A_RANGE = (1.0, 16.0)  # A = exp(A_log) ~ U(1, 16) per head
+DT_RANGE = (1e-3, 1e-1)  # dt log-uniform; dt_bias = softplus^-1(dt) per channel
+DT_FLOOR = 1e-4
+
+
+@dataclass
+class KDAAttentionSubmodules:
+    """The linear layers (Megatron's local TP linears by default)."""
+
+    column_linear: type = ColumnParallelLinear
+    row_linear: type = RowParallelLinear
+
+
+@dataclass(frozen=True)
+class KDADims:
+    num_heads: int
+    head_dim: int
+    gate_rank: int
+    local_heads: int
+
+
+def kda_dims(config, tp_size: int) -> KDADims:
+    """Resolve the KDA sizes from ``config`` (defaults: attention heads, kv_channels) and check TP."""
+    heads = config.kda_num_heads or config.num_attention_heads
+    head_dim = config.kda_head_dim or config.kv_channels
+    if not 16 <= head_dim <= 256:
+        raise ConfigError(
+            f"KDA head dim {head_dim} (kda_head_dim, default kv_channels) must be in [16, 256]"
+        )
+    if heads % tp_size:
+        raise ConfigError(
+            f"kda_num_heads={heads} (default num_attention_heads) must be divisible by "
+            f"tensor_model_parallel_size={tp_size}"
+        )
+    return KDADims(heads, head_dim, config.kda_gate_rank or head_dim, heads // tp_size)
+
+
+def init_decay_parameters(num_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global fp32 ``A_log [H]`` and ``dt_bias [H*K]`` as in Kimi Linear / fla's KDA layer."""
+    A_log = torch.empty(num_heads, dtype=torch.float32).uniform_(*A_RANGE).log()
+    lo, hi = (math.log(x) for x in DT_RANGE)
+    dt = torch.empty(num_heads * head_dim, dtype=torch.float32).uniform_(lo, hi).exp().clamp(min=DT_FLOOR)
+    # softplus(dt_bias) == dt: dt_bias = dt + log(1 - exp(-dt)).
+    dt_bias = dt + torch.log(-torch.expm1(-dt))
+    return A_log, dt_bias
+
+
+class KDAAttention(TPShardedModule):
+    """KDA self-attention with the constructor and ``(output, bias)`` return of ``SelfAttention``."""
+
+    # Decay parameters: fp32 whatever the model dtype (Float16Module casts with .bfloat16()).
+    FP32_PARAMS = ("A_log", "dt_bias")
+
+    def __init__(
+        self,
+        config,
+        submodules: KDAAttentionSubmodules | None = None,
+        layer_number: int = 1,
+        pg_collection: ProcessGroupCollection | None = None,
+        **_unused,  # attn_mask_type, cp_comm_type, pp_layer_offset, name: not used by KDA
+    ):
+        super().__init__(config=config)
+        submodules = submodules or KDAAttentionSubmodules()
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        if get_pg_size(pg_collection.cp) > 1:
+            raise ConfigError("KDA layers do not support context_parallel_size > 1 yet")
+        self.layer_number = layer_number
+        self.tp_group = pg_collection.tp
+        self.dims = dims = kda_dims(config, get_pg_size(self.tp_group))
+        self.lower_bound = config.kda_gate_lower_bound if config.kda_gate == "lower_bound" else None
+        hidden, key_dim = config.hidden_size, dims.num_heads * dims.head_dim
+
+        def column(out: int, bias: bool = False):
+            return submodules.column_linear(
+                hidden, out, config=config, init_method=config.init_method, gather_output=False,
+                bias=bias, skip_bias_add=False, tp_group=self.tp_group,
+            )
+
+        self.q_proj, self.k_proj, self.v_proj = column(key_dim), column(key_dim), column(key_dim)
+        self.q_conv, self.k_conv, self.v_conv = (
+            CausalShortConv(config, key_dim, config.kda_conv_size, self.tp_group) for _ in range(3)
+        )
+        self.b_proj = column(dims.num_heads)
+        self.f_proj = LowRankProjection(
+            config, submodules.column_linear, hidden, dims.gate_rank, key_dim, False, self.tp_group
+        )
+        # Output gate: the up projection has a bias, as in Kimi Linear.
+        self.g_proj = LowRankProjection(
+            config, submodules.column_linear, hidden, dims.gate_rank, key_dim, True, self.tp_group
+        )
+        A_log, dt_bias = init_decay_parameters(dims.num_heads, dims.head_dim)
+        device = param_device(config)
+        self.A_log = head_split_parameter(A_log, self.tp_group, device, torch.float32)
+        self.dt_bias = head_split_parameter(dt_bias, self.tp_group, device, torch.float32)
+        # One RMSNorm weight over the head dim, shared by all heads (replicated over TP).
+        self.o_norm_weight = torch.nn.Parameter(
+            torch.ones(dims.head_dim, device=device, dtype=config.params_dtype)
+        )
+        self.o_proj = submodules.row_linear(
+            key_dim, hidden, config=config, init_method=config.output_layer_init_method,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+            tp_group=self.tp_group,
+        )
+
+    def _apply(self, fn, recurse=True):
+        # Keep the decay parameters (and their grads) fp32 through dtype casts; moves still apply.
+        keep = {id(t) for name in self.FP32_PARAMS for t in (getattr(self, name), getattr(self, name).grad)}
+        keep.discard(id(None))
+
+        def cast_except_fp32(t):
+            out = fn(t)
+            if id(t) in keep and out.dtype != t.dtype:
+                return t.to(device=out.device)
+            return out
+
+        return super()._apply(cast_except_fp32, recurse)
+
+    def _heads(self, x_bsc: torch.Tensor) -> torch.Tensor:
+        """``[b, s, H_l*D] -> [b, s, H_l, D]``."""
+        return x_bsc.unflatten(-1, (self.dims.local_heads, self.dims.head_dim))
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        inference_context=None,
+        packed_seq_params=None,
+        **_unused,  # rotary embeddings, attention_bias, sequence_len_offset: KDA is NoPE
+    ):
+        if packed_seq_params is not None:
+            raise NotImplementedError("KDAAttention does not take packed sequences (cu_seqlens) yet")
+        if inference_context is not None:
+            raise NotImplementedError("KDAAttention has no inference (recurrent state) path yet")
+        # The causal mask is implicit in the recurrence; attention_mask is ignored.
+        q = self._heads(self.q_conv(self.q_proj(hidden_states)[0]))
+        k = self._heads(self.k_conv(self.k_proj(hidden_states)[0]))
+        v = self._heads(self.v_conv(self.v_proj(hidden_states)[0]))
+        f = self._heads(self.f_proj(hidden_states).transpose(0, 1))
+        beta = torch.sigmoid(self.b_proj(hidden_states)[0].float()).to(q.dtype).transpose(0, 1)
+        o = kda_core(q, k, v, f, beta.contiguous(), self.A_log, self.dt_bias, self.lower_bound)
+        gate = self._heads(self.g_proj(hidden_states).transpose(0, 1))
+        o = self._gated_norm(o, gate)  # [b, s, H_l, V]
+        o = o.flatten(2).transpose(0, 1)  # [s, b, H_l*V]
+        return self.o_proj(o)
+
+    def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        weight = self.o_norm_weight
+        if get_pg_size(self.tp_group) > 1:
+            # Each TP rank normalises only its heads: the shared weight's gradient is a partial
+            # sum over heads, summed here (identity forward, all-reduce backward), SP or not.
+            weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
+        normed = rms_norm(o, weight, self.config.layernorm_epsilon)
+        return (normed.float() * torch.sigmoid(gate.float())).to(o.dtype)
