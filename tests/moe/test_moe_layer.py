@@ -69,12 +69,43 @@ def _layers(config, group, world):
     return reference, parallel
 
 
-def _ep_parity_worker(rank, world, cases):
+def _ep_parity_worker(rank, world, cases, checkpoint_dir):
     group = dist.new_group(list(range(world)))
     for config_overrides, use_grouped_mm in cases:  # one process start (megatron import) for all
         _check_ep_parity(rank, world, group, moe_config(**config_overrides), use_grouped_mm)
     _check_sharded_state_dict_is_global(rank, world, group)
+    _check_checkpoint_reshards_ep2_to_ep1(rank, world, group, checkpoint_dir)
     return True
+
+
+def _check_checkpoint_reshards_ep2_to_ep1(rank, world, group, checkpoint_dir):
+    """Save with EP2 through megatron.core.dist_checkpointing, load into EP1 layers (experts
+    replicated over an expert-DP group of 2): every rank gets the global weights."""
+    from megatron.core import dist_checkpointing
+    from megatron_ext import cpu_compat
+
+    cpu_compat.install()  # Megatron's checkpoint writer names CUDA devices
+    config = moe_config(moe_balancer="sign_bias", moe_shared_expert_intermediate_size=8)
+    metadata = {"dp_cp_group": group}
+    torch.manual_seed(0)
+    saved = MoELayer(config, ProcessGroupCollection(ep=group))
+    with torch.no_grad():  # every tensor differs from a fresh init, and per rank
+        for p in saved.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(rank)))
+        saved.router.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(9)))
+    dist_checkpointing.save(saved.sharded_state_dict(metadata=metadata), checkpoint_dir)
+
+    torch.manual_seed(1)
+    loaded = MoELayer(config, ProcessGroupCollection(ep=None, expt_dp=group))
+    loaded.load_state_dict(dist_checkpointing.load(loaded.sharded_state_dict(metadata=metadata), checkpoint_dir))
+    for name in ("w1", "w2"):
+        pieces = [torch.empty_like(getattr(saved.experts, name)) for _ in range(world)]
+        dist.all_gather(pieces, getattr(saved.experts, name).detach(), group=group)
+        assert torch.equal(getattr(loaded.experts, name), torch.cat(pieces)), name
+    for name in ("router.weight", "router.expert_bias", "shared_expert.w1", "shared_expert.w2"):
+        expected = saved.state_dict()[name].clone()  # replicated tensors: rank 0's copy is written
+        dist.broadcast(expected, src=0, group=group)
+        assert torch.equal(loaded.state_dict()[name], expected), name
 
 
 def _check_sharded_state_dict_is_global(rank, world, group):
@@ -159,16 +190,17 @@ def _check_ep_parity(rank, world, group, config, use_grouped_mm):
     torch.testing.assert_close(out, expected)
 
 
-def test_ep2_matches_one_rank_output_and_grads_and_checkpoints_global_experts():
+def test_ep2_matches_one_rank_output_and_grads_and_checkpoints_global_experts(tmp_path):
     """EP2 vs one rank on the concatenated tokens: softmax + shared expert through
     torch._grouped_mm, sigmoid + a non-zero sign bias through the per-expert loop, and quantile
-    capacity routing over the EP group with the dual bias; then the sharded state dict layout."""
+    capacity routing over the EP group with the dual bias; then the sharded state dict layout and
+    an EP2 -> EP1 checkpoint round trip."""
     cases = [
         (dict(moe_router_score_function="softmax", moe_shared_expert_intermediate_size=8), None),
         (dict(moe_balancer="sign_bias", moe_router_bias_update_rate=1e-2), False),
         (dict(moe_balancer="qb_both", moe_expert_capacity_factor=1.0, moe_qb_num_bins=64), None),
     ]
-    assert run_distributed(_ep_parity_worker, 2, cases) == [True, True]
+    assert run_distributed(_ep_parity_worker, 2, cases, str(tmp_path)) == [True, True]
 
 
 def test_moe_layer_is_a_transformer_layer_mlp():
