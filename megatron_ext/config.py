@@ -79,14 +79,6 @@ class HybridConfig(TransformerConfig):
     kda_gate_lower_bound: float = -5.0
     kda_conv_size: int = 4
     kda_gate_rank: int | None = None
-    # Block Attention Residuals (DESIGN.md section 4, megatron_ext/attn_res): each sublayer's
-    # input is a softmax over depth of the embedding, the finished block sums and the block's
-    # partial sum. Blocks: attn_res_num_blocks N (must divide the 2 * num_layers sublayers;
-    # N = 2 * num_layers is Full AttnRes), or attn_res_block_size S sublayers when set.
-    attn_res: bool = False
-    attn_res_num_blocks: int = 8
-    attn_res_block_size: int | None = None
-    attn_res_impl: str = "auto"  # depth-attention op: auto | triton | torch
 
     def __post_init__(self):
         self._validate_hybrid()
@@ -107,9 +99,6 @@ class HybridConfig(TransformerConfig):
         if self.moe_balancer not in MOE_BALANCERS:
             raise ConfigError(f"moe_balancer={self.moe_balancer!r}; allowed: {', '.join(MOE_BALANCERS)}")
         self._validate_kda()
-        from megatron_ext.attn_res.validation import validate_attn_res
-
-        validate_attn_res(self, ConfigError)
         if self.vocab_size < 2:
             raise ConfigError(f"vocab_size={self.vocab_size} must be >= 2")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
@@ -188,10 +177,6 @@ USER_FIELDS = (
     "kda_gate_lower_bound",
     "kda_conv_size",
     "kda_gate_rank",
-    "attn_res",
-    "attn_res_num_blocks",
-    "attn_res_block_size",
-    "attn_res_impl",
     "recompute_granularity",
     "recompute_method",
     "recompute_num_layers",
