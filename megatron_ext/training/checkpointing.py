@@ -16,6 +16,7 @@ What goes in: the caller's sharded state dict (model / optimizer ``ShardedTensor
 global layout lets ``load_checkpoint`` reshard across TP/PP/EP), the common state (identical on
 all ranks: iteration, consumed samples, scheduler, merged config; stored once by
 dist_checkpointing), and each rank's RNG states (Python, NumPy, torch CPU, CUDA when present)
+and Megatron's model-parallel RNG tracker streams,
 as a ``ShardedObject`` of global shape ``(world_size,)`` at offset ``(rank,)`` — per-rank state
 cannot live in the common part, which only rank 0 writes. RNG is restored only when the world
 size is unchanged; a resharded run reseeds instead.
@@ -27,6 +28,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from typing import Any, Optional
 
 import numpy as np
@@ -94,8 +96,20 @@ def get_rng_state() -> dict:
         "numpy": [algo, torch.from_numpy(np_keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "megatron_tracker": None,
     }
+    tracker = _megatron_rng_tracker()
+    streams = tracker.get_states() if hasattr(tracker, "get_states") else {}
+    if streams:
+        # Megatron's named model-parallel RNG streams (dropout/init inside TP regions).
+        state["megatron_tracker"] = {k: v.clone() for k, v in streams.items() if isinstance(v, torch.Tensor)}
     return state
+
+
+def _megatron_rng_tracker():
+    """Megatron's CUDA RNG tracker when the model already imported it, else None."""
+    module = sys.modules.get("megatron.core.tensor_parallel.random")
+    return None if module is None else module.get_cuda_rng_tracker()
 
 
 def set_rng_state(state: dict) -> None:
@@ -106,6 +120,9 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    tracker = _megatron_rng_tracker()
+    if state.get("megatron_tracker") and tracker is not None:
+        tracker.set_states(state["megatron_tracker"])
 
 
 # ------------------------------------------------------------------------------ save / load

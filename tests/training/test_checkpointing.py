@@ -33,28 +33,45 @@ def _sharded(weight_local, bias, rank, world):
     }
 
 
+def _seed_all(seed):
+    """Python, NumPy, torch and a Megatron model-parallel RNG stream."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    from megatron_ext import cpu_compat
+
+    cpu_compat.install()  # Megatron's RNG tracker forks the CUDA generator; on CPU the CPU one
+    random.seed(seed), torch.manual_seed(seed), np.random.seed(seed)
+    get_cuda_rng_tracker().reset()
+    get_cuda_rng_tracker().add("model-parallel-rng", seed + 10_000)
+
+
+def _draws():
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    with get_cuda_rng_tracker().fork("model-parallel-rng"):
+        tracked = torch.rand(3)
+    return random.random(), float(np.random.rand()), torch.rand(3), tracked
+
+
 def _save_worker(rank, world, save_dir, seed, iteration):
     weight, bias = _reference(seed)
     local = weight.chunk(world, dim=0)[rank].clone()
-    random.seed(seed + rank)
-    torch.manual_seed(seed + rank)
-    np.random.seed(seed + rank)
+    _seed_all(seed + rank)
     common = {"consumed_samples": 64 * iteration, "scheduler": {"num_steps": iteration}}
     path = ckpt.save_checkpoint(save_dir, iteration, _sharded(local, bias, rank, world), common,
                                 config={"lr": 0.1, "seq_length": 32})
     # What each RNG yields right after the save: a restored run must yield the same.
-    return path, (random.random(), float(np.random.rand()), torch.rand(3))
+    return path, _draws()
 
 
 def _load_worker(rank, world, load_dir, iteration=None):
     empty = torch.zeros(ROWS // world, COLS)
-    random.seed(999), torch.manual_seed(999), np.random.seed(999)
+    _seed_all(999)
     result = ckpt.load_checkpoint(load_dir, _sharded(empty, torch.zeros(5), rank, world), iteration=iteration)
     if result is None:
         return None
     state, common = result
-    draws = (random.random(), float(np.random.rand()), torch.rand(3))
-    return state["model"]["weight"], state["model"]["bias"], common, draws
+    return state["model"]["weight"], state["model"]["bias"], common, _draws()
 
 
 def _save_then_load_worker(rank, world, save_dir, seed, iteration):
@@ -73,7 +90,8 @@ def test_save_on_two_ranks_load_on_one_and_two(tmp_path):
     for rank, (_, (w, b, common, draws)) in enumerate(results):
         assert torch.equal(w, weight.chunk(2)[rank]) and torch.equal(b, bias)
         expected = saved[rank][1]
-        assert draws[:2] == expected[:2] and torch.equal(draws[2], expected[2])  # per-rank RNG
+        assert draws[:2] == expected[:2]  # per-rank RNG: Python, NumPy, torch, Megatron tracker
+        assert torch.equal(draws[2], expected[2]) and torch.equal(draws[3], expected[3])
 
     (w1, b1, common, draws1), = run_distributed(_load_worker, 1, save_dir)
     assert torch.equal(w1, weight) and torch.equal(b1, bias)
