@@ -10,6 +10,7 @@ of an assertion or a crash deep in a data loader. ``build_gpt_datasets`` wraps
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import struct
 from typing import Optional
@@ -98,7 +99,7 @@ def ensure_dataset_helpers() -> None:
                                "needs pybind11: pip install pybind11") from None
         os.makedirs(cache, exist_ok=True)
         tmp = f"{out}.{os.getpid()}.tmp"
-        cmd = ["c++", "-O3", "-shared", "-std=c++17", "-fPIC", f"-I{pybind11.get_include()}",
+        cmd = [os.environ.get("CXX", "c++"), "-O3", "-shared", "-std=c++17", "-fPIC", f"-I{pybind11.get_include()}",
                f"-I{sysconfig.get_paths()['include']}", src, "-o", tmp]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:

@@ -45,8 +45,10 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+def _require_process_group(what: str) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(f"{what} needs torch.distributed initialised (a 1-rank gloo group "
+                           "is enough): dist_checkpointing coordinates ranks through it")
 
 
 def _barrier() -> None:
@@ -146,13 +148,14 @@ def save_checkpoint(
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    _require_process_group("save_checkpoint")
     if not torch.cuda.is_available():
         # dist_checkpointing's writer calls torch.cuda.synchronize() after its device-to-host
         # copies (filesystem_async.preload_tensors); cpu_compat makes that a no-op on the CPU.
         from megatron_ext import cpu_compat
 
         cpu_compat.install()
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    world, rank = dist.get_world_size(), dist.get_rank()
     final = os.path.join(save_dir, checkpoint_name(iteration))
     tmp = final + ".tmp"
     if rank == 0:
@@ -242,7 +245,8 @@ def load_checkpoint(
         path = os.path.join(load_dir, checkpoint_name(iteration))
         if not _is_complete(path):
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no metadata.json)")
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    _require_process_group("load_checkpoint")
+    world, rank = dist.get_world_size(), dist.get_rank()
     common = dist_checkpointing.load_common_state_dict(path)[_COMMON_KEY]
     request = dict(sharded_state_dict)
     restore_rng = load_rng and common["world_size"] == world

@@ -128,3 +128,16 @@ def test_gpt_dataset_iterators_read_the_preprocessed_tokens(corpus, tmp_path):
     skip = data.train.num_micro_batches
     assert all(torch.equal(next(resumed.train)["tokens"], b["tokens"]) for b in batches[skip:])
     assert next(data.valid)["tokens"].shape == (2, 16)
+
+
+def test_missing_dataset_helpers_without_pybind11_fail_with_instructions(monkeypatch, tmp_path):
+    import sys
+
+    from megatron_ext.data.indexed import ensure_dataset_helpers
+
+    ensure_dataset_helpers()  # the prebuilt module of the wheel imports
+    monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)  # as if never built
+    monkeypatch.setitem(sys.modules, "pybind11", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="needs pybind11: pip install pybind11"):
+        ensure_dataset_helpers()
