@@ -55,6 +55,8 @@ class HybridConfig(TransformerConfig):
     # two pipeline ranks (prev == next peer) that swaps activations and gradients of equal
     # shape under gloo. The unbatched path orders the ops by rank parity and is correct.
     batch_p2p_comm: bool = False
+    # Our MoE layer keeps whole experts per rank (Megatron would default this to the TP size).
+    expert_tensor_parallel_size: int = 1
 
     # --- Our fields --------------------------------------------------------------------------
     # Attention kind per layer, repeated cyclically over num_layers: "A" = full attention,
@@ -69,6 +71,8 @@ class HybridConfig(TransformerConfig):
     max_sequence_length: int = 4096
     # MoE load balancing: none | aux_loss | sign_bias | qb_capacity | qb_bias | qb_both.
     moe_balancer: str = "none"
+    # Histogram bins of the quantile balancers (capacity thresholds and the dual bias).
+    moe_qb_num_bins: int = 1000
     # KDA layers ("K" in attention_pattern). None means: heads = num_attention_heads,
     # head dim = kv_channels, gate rank = the KDA head dim.
     kda_num_heads: int | None = None
@@ -79,10 +83,25 @@ class HybridConfig(TransformerConfig):
     kda_gate_lower_bound: float = -5.0
     kda_conv_size: int = 4
     kda_gate_rank: int | None = None
+    # Block Attention Residuals (DESIGN.md section 4, megatron_ext/attn_res): each sublayer's
+    # input is a softmax over depth of the embedding, the finished block sums and the block's
+    # partial sum. Blocks: attn_res_num_blocks N (must divide the 2 * num_layers sublayers;
+    # N = 2 * num_layers is Full AttnRes), or attn_res_block_size S sublayers when set.
+    attn_res: bool = False
+    attn_res_num_blocks: int = 8
+    attn_res_block_size: int | None = None
+    attn_res_impl: str = "auto"  # depth-attention op: auto | triton | torch
 
     def __post_init__(self):
         self._validate_hybrid()
+        # Layers of different attention kinds hold different parameters: checkpoint them per
+        # layer (Megatron otherwise stacks every layer's tensors along one layer axis).
+        if len({self.attention_kind(i) for i in range(self.num_layers)}) > 1:
+            self.hetereogenous_dist_checkpoint = True
         super().__post_init__()
+        from megatron_ext.attn_res.validation import set_attn_res_pipeline_fields
+
+        set_attn_res_pipeline_fields(self)
 
     def _validate_hybrid(self):
         if not self.attention_pattern:
@@ -99,6 +118,16 @@ class HybridConfig(TransformerConfig):
         if self.moe_balancer not in MOE_BALANCERS:
             raise ConfigError(f"moe_balancer={self.moe_balancer!r}; allowed: {', '.join(MOE_BALANCERS)}")
         self._validate_kda()
+        from megatron_ext.attn_res.validation import validate_attn_res
+
+        validate_attn_res(self, ConfigError)
+        if self.moe_qb_num_bins < 2:
+            raise ConfigError(f"moe_qb_num_bins={self.moe_qb_num_bins} must be >= 2")
+        if self.moe_router_enable_expert_bias:
+            raise ConfigError(
+                "moe_router_enable_expert_bias is Megatron's own bias update; set "
+                "moe_balancer='sign_bias' (or 'qb_bias') instead"
+            )
         if self.vocab_size < 2:
             raise ConfigError(f"vocab_size={self.vocab_size} must be >= 2")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
@@ -171,12 +200,17 @@ USER_FIELDS = (
     "moe_router_bias_update_rate",
     "moe_expert_capacity_factor",
     "moe_balancer",
+    "moe_qb_num_bins",
     "kda_num_heads",
     "kda_head_dim",
     "kda_gate",
     "kda_gate_lower_bound",
     "kda_conv_size",
     "kda_gate_rank",
+    "attn_res",
+    "attn_res_num_blocks",
+    "attn_res_block_size",
+    "attn_res_impl",
     "recompute_granularity",
     "recompute_method",
     "recompute_num_layers",

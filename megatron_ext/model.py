@@ -118,9 +118,14 @@ def build_model(
     pg_collection: ProcessGroupCollection | None = None,
 ) -> GPTModel:
     """The hybrid decoder as a Megatron ``GPTModel`` for one (virtual) pipeline stage."""
-    return GPTModel(
+    model_class, block_spec = GPTModel, decoder_block_spec(config, vp_stage=vp_stage)
+    if config.attn_res:
+        from megatron_ext.attn_res import AttnResGPTModel, attn_res_block_spec
+
+        model_class, block_spec = AttnResGPTModel, attn_res_block_spec(block_spec)
+    return model_class(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, vp_stage=vp_stage),
+        transformer_layer_spec=block_spec,
         vocab_size=config.padded_vocab_size(),
         max_sequence_length=config.max_sequence_length,
         pre_process=pre_process,

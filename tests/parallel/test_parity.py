@@ -1,0 +1,40 @@
+"""The tiny hybrid MoE model gives the one-rank loss and gradients under every parallel layout.
+
+fp32 on CPU over gloo; every layout loads the same one-rank weights (see harness.py).
+"""
+
+import pytest
+
+from tests._dist import run_distributed
+from tests.parallel import harness
+
+SP_TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("ref_moe"))
+    run_distributed(harness.save_reference, 1, ckpt, True)
+    windows = harness.make_batches()
+    (one,) = run_distributed(harness.run_layout, 1, {}, ckpt, True, windows)
+    return ckpt, windows, one
+
+
+@pytest.mark.parametrize(
+    "world,layout",
+    [
+        (2, SP_TP2),
+        (2, dict(pipeline_model_parallel_size=2)),
+        (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2)),
+        (2, dict()),  # DP2
+        (2, dict(expert_model_parallel_size=2)),  # EP2 over the two data-parallel ranks
+        (8, dict(**SP_TP2, pipeline_model_parallel_size=2, expert_model_parallel_size=2)),
+    ],
+    ids=["tp2-sp", "pp2", "pp2-vpp2", "dp2", "ep2", "tp2-pp2-ep2"],
+)
+def test_layout_matches_one_rank(reference, world, layout):
+    ckpt, windows, one = reference
+    results = run_distributed(harness.run_layout, world, layout, ckpt, True, windows)
+    losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert losses and all(abs(l - one["loss"]) < 1e-5 for l in losses), (losses, one["loss"])
+    harness.assert_grads_match(one["grads"], results, rtol=1e-4, atol=1e-6)
