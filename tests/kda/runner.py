@@ -1,0 +1,115 @@
+"""Distributed workers for the KDA parity tests (run through ``tests._dist.run_distributed``).
+
+Same scheme as ``tests/parallel/harness.py``: the one-rank run saves its weights with
+``dist_checkpointing``; every other layout loads them resharded, so all layouts start from the
+same model. Gradients come back keyed by checkpoint key and global slice.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+
+from megatron_ext import cpu_compat
+from tests.parallel import harness
+
+SEQ, BATCH, HIDDEN = 16, 2, 32
+# The harness's tiny model (kv_channels 8) with KDA layers of head dim 16 (the kernel's minimum).
+KDA_FIELDS = dict(attention_pattern="KKKA", kda_num_heads=2, kda_head_dim=16, kda_gate_rank=8)
+
+
+# --- one KDA layer -------------------------------------------------------------------------------
+def _layer(tp: int, sequence_parallel: bool):
+    from megatron_ext.kda import KDAAttention
+
+    config = harness.tiny_config(
+        dict(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel), False,
+        num_layers=1, attention_pattern="K", kda_num_heads=4, kda_head_dim=16, kda_gate_rank=8,
+    )
+    return KDAAttention(config)
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    return x, torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+
+
+def _run_layer(layer, x, cotangent, sequence_parallel: bool):
+    """Forward/backward on this rank's part of the input; grads reduced as finalize_model_grads does."""
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if sequence_parallel:
+        shard = slice(rank * SEQ // tp, (rank + 1) * SEQ // tp)
+        x, cotangent = x[shard], cotangent[shard]
+    x = x.clone().requires_grad_()
+    out, bias = layer(x)
+    assert bias is None
+    (out * cotangent).sum().backward()
+    for p in layer.parameters():
+        if sequence_parallel and getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
+    holder = types.SimpleNamespace(module=layer)
+    return {"out": out.detach(), "dx": x.grad, "grads": harness.collect_grads([holder])}
+
+
+def layer_reference(rank, world_size, ckpt_dir: str):
+    """One rank: build a layer with random (perturbed) weights, save them, run it."""
+    cpu_compat.install()
+    ps.initialize_model_parallel(1, 1)
+    torch.manual_seed(harness.SEED)
+    layer = _layer(1, False)
+    with torch.no_grad():  # every parameter random (init leaves the norm at 1, a bias at 0)
+        for p in layer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    dist_checkpointing.save(layer.sharded_state_dict(), ckpt_dir)
+    return _run_layer(layer, *_inputs(), sequence_parallel=False)
+
+
+def layer_tensor_parallel(rank, world_size, ckpt_dir: str):
+    """TP = world_size, with and without sequence parallelism, from the saved weights."""
+    cpu_compat.install()
+    ps.initialize_model_parallel(world_size, 1)
+    results = {}
+    for sp in (True, False):
+        layer = _layer(world_size, sp)
+        layer.load_state_dict(dist_checkpointing.load(layer.sharded_state_dict(), ckpt_dir))
+        results[sp] = _run_layer(layer, *_inputs(), sequence_parallel=sp)
+    return results
+
+
+# --- the tiny hybrid model -----------------------------------------------------------------------
+def _setup_model(layout: dict):
+    from megatron_ext.parallel import build_model_chunks, initialize_parallel
+
+    cpu_compat.install()
+    config = harness.tiny_config(layout, False, **KDA_FIELDS)
+    initialize_parallel(config, harness.SEED)
+    return config, build_model_chunks(config)
+
+
+def _forward_backward(config, chunks, windows):
+    from megatron_ext.parallel import wrap_ddp
+    from megatron_ext.training.step import forward_backward
+
+    ddp_chunks = wrap_ddp(chunks, config)
+    for c in ddp_chunks:
+        c.zero_grad_buffer()
+    loss = forward_backward(ddp_chunks, harness.microbatches_for_rank(windows), harness.SEQ, harness.MICRO_BATCH)
+    return {"loss": loss, "grads": harness.collect_grads(ddp_chunks)}
+
+
+def model_reference(rank, world_size, ckpt_dir: str, windows: torch.Tensor):
+    """One rank: build the KKKA model from the seed, save its weights, run one global batch."""
+    config, chunks = _setup_model({})
+    dist_checkpointing.save({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, ckpt_dir)
+    return _forward_backward(config, chunks, windows)
+
+
+def model_layout(rank, world_size, layout: dict, ckpt_dir: str, windows: torch.Tensor):
+    config, chunks = _setup_model(layout)
+    harness.load_weights(chunks, ckpt_dir)
+    return _forward_backward(config, chunks, windows)
