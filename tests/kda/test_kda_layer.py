@@ -162,3 +162,23 @@ def test_lower_bound_out_of_range_names_the_key():
         kda_config(kda_gate_lower_bound=-6.0)
     with pytest.raises(ConfigError, match="kda_gate"):
         kda_config(kda_gate="exp")
+
+
+@pytest.mark.gpu
+def test_layer_on_gpu_matches_cpu():
+    """The Triton path (in-kernel gate and L2 norm) equals the CPU reference path, grads included."""
+    layer = perturbed_layer(kda_config())
+    x = torch.randn(SEQ, BATCH, HIDDEN)
+    cotangent = torch.randn(SEQ, BATCH, HIDDEN)
+    out_cpu, _ = layer(x)
+    (out_cpu * cotangent).sum().backward()
+    grads_cpu = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    layer.cuda()
+    assert layer.A_log.dtype == torch.float32 and layer.A_log.is_cuda
+    out_gpu, _ = layer(x.cuda())
+    (out_gpu * cotangent.cuda()).sum().backward()
+    # fp32 kernel operands go through tf32 dots on the GPU.
+    assert_close_to_scale(out_gpu.cpu(), out_cpu.detach(), rel=5e-3, name="output")
+    for name, p in layer.named_parameters():
+        assert_close_to_scale(p.grad.cpu(), grads_cpu[name], rel=2e-2, name=name)
