@@ -1,0 +1,92 @@
+"""The Block AttnRes transformer layer: Megatron's ``TransformerLayer`` with depth-attention inputs.
+
+Each of the layer's two sublayers (attention, MLP) takes its input from a :class:`DepthMixer`
+over the current depth sources instead of from the residual stream, computes
+``f(Norm(h_l))`` with the layer's own ``input_layernorm`` / ``pre_mlp_layernorm``, and adds its
+output to the block's partial sum (DESIGN.md section 4). The submodules, their specs, names and
+checkpoint keys are Megatron's; only the two mixers are new.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from kernels.attn_res import depth_attention
+from megatron_ext.attn_res.state import DepthState, closes_block, sublayers_per_block
+
+
+class DepthMixer(MegatronModule):
+    """``h = depth_attention(sources, query, key_norm_weight)``: one sublayer's input over depth.
+
+    ``query`` (the pseudo-query ``w_l``, zero-initialised so training starts from the uniform
+    average) and ``key_norm_weight`` (the RMSNorm weight ``gamma_l`` of the keys) are fp32 ``[h]``
+    parameters, replicated over tensor-parallel ranks. Under sequence parallelism each rank mixes
+    its own sequence shard, so their grads are partial sums: ``sequence_parallel = True`` makes
+    Megatron's ``finalize_model_grads`` all-reduce them over the TP group.
+    """
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.eps = config.layernorm_epsilon
+        self.impl = config.attn_res_impl
+        self.query = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=torch.float32))
+        self.key_norm_weight = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=torch.float32))
+        for p in (self.query, self.key_norm_weight):
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+
+    def _apply(self, fn, recurse=True):
+        # Keep the logit parameters fp32 when the model is cast (Float16Module's .bfloat16()):
+        # the softmax over depth is computed in fp32 from them. Device moves still apply.
+        return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
+
+    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        return depth_attention(sources, self.query, self.key_norm_weight, eps=self.eps, impl=self.impl)
+
+
+class AttnResTransformerLayer(TransformerLayer):
+    """A ``TransformerLayer`` whose ``forward`` maps a :class:`DepthState` to the next one.
+
+    Supports what our models use: self-attention (any registered kind) and a dense or MoE MLP,
+    no cross-attention, no inference cache. Megatron's selective-recompute hooks inside
+    ``TransformerLayer._forward_*`` are not used (``attn_res`` allows ``recompute_granularity``
+    None or "full"; the block implements "full").
+    """
+
+    def __init__(self, config, submodules, *args, **kwargs):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.attn_mixer = DepthMixer(config)
+        self.mlp_mixer = DepthMixer(config)
+        block_size = sublayers_per_block(config)
+        first = 2 * (self.layer_number - 1)  # layer_number is global and 1-based
+        self.closes = (closes_block(first, block_size), closes_block(first + 1, block_size))
+
+    def _output(self, output_with_bias) -> torch.Tensor:
+        output, bias = output_with_bias
+        if bias is not None:
+            output = output + bias
+        return F.dropout(output, p=self.hidden_dropout, training=self.training)
+
+    def forward(
+        self,
+        state: DepthState,
+        attention_mask: torch.Tensor | None = None,
+        rotary_pos_emb: torch.Tensor | None = None,
+        packed_seq_params=None,
+        padding_mask: torch.Tensor | None = None,
+        **_unused,
+    ) -> DepthState:
+        h = self.attn_mixer(state.sources())
+        attn = self.self_attention(
+            self.input_layernorm(h),
+            attention_mask=attention_mask,
+            rotary_pos_emb=rotary_pos_emb,
+            packed_seq_params=packed_seq_params,
+        )
+        state = state.add(self._output(attn), close=self.closes[0])
+        h = self.mlp_mixer(state.sources())
+        mlp_input = self.pre_mlp_layernorm(h)
+        mlp = self.mlp(mlp_input, padding_mask=padding_mask) if padding_mask is not None else self.mlp(mlp_input)
+        return state.add(self._output(mlp), close=self.closes[1])

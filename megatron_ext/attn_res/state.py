@@ -1,0 +1,94 @@
+"""The Block AttnRes residual state, its block schedule and its pipeline packing.
+
+Under Block Attention Residuals (DESIGN.md section 4) the residual stream is not one tensor but
+a list of depth sources: the embedding ``b_0``, the finished block sums ``b_1..b_{n-1}`` and the
+partial sum of the current block (absent right after a block closes). Sublayers are numbered
+globally from 0 (layer ``k`` holds sublayers ``2k`` (attention) and ``2k + 1`` (MLP)); a block
+is ``S`` consecutive sublayers, and it is closed right after its last sublayer, so the state
+between any two sublayers is canonical and can be derived from the next sublayer's index alone:
+entering sublayer ``j`` there are ``1 + j // S`` blocks and a partial sum iff ``j % S != 0``.
+
+Pipeline stages exchange one tensor: the sources concatenated along the sequence dim,
+``[n_sources * s, b, h]``, so every unpacked source is a contiguous view (no copy, and the
+depth-attention op reads it in place).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def sublayers_per_block(config) -> int:
+    """``S``: the block size in sublayers (``attn_res_block_size``, or ``2 L / attn_res_num_blocks``)."""
+    if config.attn_res_block_size is not None:
+        return config.attn_res_block_size
+    return 2 * config.num_layers // config.attn_res_num_blocks
+
+
+def closes_block(sublayer: int, block_size: int) -> bool:
+    """Whether global sublayer ``sublayer`` is the last of its block."""
+    return (sublayer + 1) % block_size == 0
+
+
+def sources_entering(sublayer: int, block_size: int) -> tuple[int, bool]:
+    """``(number of blocks incl. b_0, has partial sum)`` of the state entering ``sublayer``."""
+    return 1 + sublayer // block_size, sublayer % block_size != 0
+
+
+@dataclass
+class DepthState:
+    """Depth sources of one microbatch: ``blocks`` = [b_0, b_1, ...], ``partial`` or ``None``.
+
+    All tensors are ``[s, b, h]`` (the local sequence shard under sequence parallelism).
+    """
+
+    blocks: list[torch.Tensor]
+    partial: torch.Tensor | None = None
+
+    def sources(self) -> list[torch.Tensor]:
+        return self.blocks if self.partial is None else [*self.blocks, self.partial]
+
+    def add(self, output: torch.Tensor, close: bool) -> "DepthState":
+        """Add a sublayer's output to the partial sum; ``close`` ends the block with it."""
+        partial = output if self.partial is None else self.partial + output
+        if close:
+            return DepthState([*self.blocks, partial], None)
+        return DepthState(self.blocks, partial)
+
+    # -- flat form: for activation checkpointing, whose functions take and return tensors ----
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self.sources())
+
+    @staticmethod
+    def from_flat(tensors, num_blocks: int) -> "DepthState":
+        tensors = list(tensors)
+        partial = tensors[num_blocks] if len(tensors) > num_blocks else None
+        return DepthState(tensors[:num_blocks], partial)
+
+    def new_since(self, num_blocks_before: int) -> tuple[torch.Tensor, ...]:
+        """Tensors created after a point where there were ``num_blocks_before`` blocks."""
+        return tuple(self.blocks[num_blocks_before:]) + (
+            () if self.partial is None else (self.partial,)
+        )
+
+
+def pack_for_pipeline(state: DepthState, slots: int) -> torch.Tensor:
+    """One ``[slots * s, b, h]`` tensor for Megatron's p2p; unused slots are zero padding."""
+    sources = state.sources()
+    if len(sources) > slots:
+        raise ValueError(f"{len(sources)} depth sources do not fit {slots} pipeline slots")
+    pad = [torch.zeros_like(sources[0])] * (slots - len(sources))
+    return torch.cat([*sources, *pad], dim=0)
+
+
+def unpack_from_pipeline(packed: torch.Tensor, num_blocks: int, has_partial: bool, slots: int) -> DepthState:
+    """Inverse of :func:`pack_for_pipeline`: contiguous ``[s, b, h]`` views of ``packed``."""
+    if packed.shape[0] % slots:
+        raise ValueError(
+            f"received pipeline tensor of shape {tuple(packed.shape)}; its first dim is not "
+            f"{slots} depth sources of equal length (is variable_seq_lengths set?)"
+        )
+    views = packed.view(slots, packed.shape[0] // slots, *packed.shape[1:]).unbind(0)
+    return DepthState(list(views[:num_blocks]), views[num_blocks] if has_partial else None)

@@ -1,0 +1,95 @@
+"""One-rank checks of the Block AttnRes model, run in one spawned process (see test_model.py).
+
+Every check builds models from the same seed under one set of process groups and returns
+tensors for the tests to compare, so a single process start serves them all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_ext import cpu_compat
+from tests.attn_res import reference, runner
+from tests.parallel import harness
+
+
+def _model(**overrides):
+    from megatron_ext.model import build_model
+
+    config = harness.tiny_config({}, False, **overrides)
+    torch.manual_seed(harness.SEED)
+    return build_model(config)
+
+
+def _batch():
+    mb = harness.microbatches_for_rank(harness.make_batches())[0]
+    return mb["tokens"], mb["position_ids"]
+
+
+def _logits_and_grads(model, logits_fn, probe):
+    model.zero_grad(set_to_none=True)
+    logits = logits_fn()
+    (logits * probe).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+def reference_check(num_blocks: int):
+    """The model vs :func:`reference.reference_logits` on the same weights (random mixers)."""
+    model = _model(attn_res=True, attn_res_num_blocks=num_blocks)
+    runner.randomise_mixers([model])
+    tokens, pos = _batch()
+    probe = torch.randn(*tokens.shape, model.config.padded_vocab_size(), generator=torch.Generator().manual_seed(3))
+    block_size = 2 * model.config.num_layers // num_blocks
+    got = _logits_and_grads(model, lambda: model(tokens, pos, None), probe)
+    want = _logits_and_grads(model, lambda: reference.reference_logits(model, tokens, pos, block_size), probe)
+    return got, want
+
+
+def one_block_vs_standard(random_queries: bool):
+    """N = 1 with zero pseudo-queries vs the standard residual model with the same layer weights."""
+    eps = dict(layernorm_epsilon=1e-12)
+    standard = _model(**eps)
+    attn_res = _model(attn_res=True, attn_res_num_blocks=1, **eps)
+    missing, unexpected = attn_res.load_state_dict(standard.state_dict(), strict=False)
+    assert not unexpected and missing and all("mixer" in k for k in missing), (missing, unexpected)
+    runner.randomise_mixers([attn_res])  # random key norms: irrelevant while the queries are 0
+    if not random_queries:
+        for module in attn_res.modules():
+            if hasattr(module, "query"):
+                torch.nn.init.zeros_(module.query)
+    tokens, pos = _batch()
+    probe = torch.randn(*tokens.shape, standard.config.padded_vocab_size(), generator=torch.Generator().manual_seed(4))
+    return (
+        _logits_and_grads(standard, lambda: standard(tokens, pos, None), probe),
+        _logits_and_grads(attn_res, lambda: attn_res(tokens, pos, None), probe),
+    )
+
+
+def mixer_inputs_at_init(num_blocks: int):
+    """Freshly built model: (sublayer name, sources, mixer output) for every depth mixer."""
+    model = _model(attn_res=True, attn_res_num_blocks=num_blocks)
+    seen = []
+    for name, module in model.named_modules():
+        if name.endswith("mixer"):
+            module.register_forward_hook(
+                lambda m, args, out, name=name: seen.append((name, [s.detach() for s in args[0]], out.detach()))
+            )
+    tokens, pos = _batch()
+    with torch.no_grad():
+        model(tokens, pos, None)
+    return seen
+
+
+def run_all(rank, world_size):
+    from megatron_ext.parallel import initialize_parallel
+
+    cpu_compat.install()
+    initialize_parallel(harness.tiny_config({}, False), harness.SEED)
+    return {
+        "reference_full": reference_check(8),
+        "reference_blocks": reference_check(2),
+        "one_block_zero_queries": one_block_vs_standard(random_queries=False),
+        "one_block_random_queries": one_block_vs_standard(random_queries=True),
+        "init_mixers": mixer_inputs_at_init(2),
+    }
