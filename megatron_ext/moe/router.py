@@ -159,6 +159,13 @@ class TopKRouter(MegatronModule):
         self.last_aux_loss: torch.Tensor | None = None
         self.last_dropped: torch.Tensor | None = None
         self.last_rerouted: torch.Tensor | None = None
+        # Sums over the step's training forwards, for megatron_ext.moe.metrics (which reads them
+        # once per step and resets them): kept pairs per expert routed by this rank, and
+        # [dropped, rerouted] pairs. int64, so module-wide float casts leave them alone.
+        self.register_buffer("step_routed_counts", torch.zeros(self.num_experts, dtype=torch.int64, device=device),
+                             persistent=False)
+        self.register_buffer("step_dropped_rerouted", torch.zeros(2, dtype=torch.int64, device=device),
+                             persistent=False)
 
     def _apply(self, fn, recurse=True):
         # Module-wide casts (e.g. Float16Module's .bfloat16()) must not touch the fp32 bias and
@@ -203,9 +210,22 @@ class TopKRouter(MegatronModule):
             self.step_residual_histogram += dual_bias_histogram(scores.detach(), self.expert_bias, self.topk,
                                                                 lo, hi, self.num_bins)
 
+        self.record_statistics(routing, counts, counting)
+        return routing, counts
+
+    def record_statistics(self, routing: Routing, counts: torch.Tensor, counting: bool) -> None:
+        """Keep the last forward's statistics and, for a counted training forward (once per
+        microbatch), add them to the step sums read by :mod:`megatron_ext.moe.metrics`."""
         self.local_tokens_per_expert = counts.detach()
         self.last_dropped, self.last_rerouted = routing.dropped, routing.rerouted
-        return routing, counts
+        if counting:
+            self.step_routed_counts += counts.detach()
+            self.step_dropped_rerouted += torch.stack([routing.dropped, routing.rerouted]).to(
+                self.step_dropped_rerouted.device)
+
+    def reset_step_statistics(self) -> None:
+        self.step_routed_counts.zero_()
+        self.step_dropped_rerouted.zero_()
 
     def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Switch loss ``coeff * E * sum_j f_j * P_j``: f_j = share of (token, slot) pairs sent to

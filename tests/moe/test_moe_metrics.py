@@ -1,0 +1,136 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron_ext.moe.layer import MoELayer
+from megatron_ext.moe.metrics import collect_moe_metrics, ep_load_factor, max_violation
+from tests._dist import run_distributed
+from tests.moe.test_moe_router import moe_config
+
+E, HIDDEN = 8, 16
+
+
+def _direct_maxvio(loads):
+    mean = sum(loads) / len(loads)
+    return (max(loads) - mean) / mean
+
+
+def _direct_load_factor(loads, ep_size):
+    per_rank = len(loads) // ep_size
+    received = [sum(loads[r * per_rank:(r + 1) * per_rank]) for r in range(ep_size)]
+    return max(received) / (sum(received) / ep_size)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_maxvio_and_load_factor_equal_direct_computation_on_random_counts(seed):
+    g = torch.Generator().manual_seed(seed)
+    loads = torch.randint(0, 1000, (E,), generator=g)
+    loads[int(torch.randint(0, E, (1,), generator=g))] += 1  # never all zero
+    assert max_violation(loads) == pytest.approx(_direct_maxvio(loads.tolist()), rel=1e-12)
+    for ep_size in (1, 2, 4, 8):
+        assert ep_load_factor(loads, ep_size) == pytest.approx(_direct_load_factor(loads.tolist(), ep_size), rel=1e-12)
+    assert max_violation(torch.zeros(E, dtype=torch.int64)) == 0.0
+
+
+def _layer(group, balancer="qb_capacity", **overrides):
+    if balancer in ("qb_capacity", "qb_both"):
+        overrides.setdefault("moe_expert_capacity_factor", 1.25)
+    config = moe_config(moe_balancer=balancer, **overrides)
+    torch.manual_seed(0)
+    layer = MoELayer(config, ProcessGroupCollection(ep=group, expt_dp=None))
+    layer.set_layer_number(3)
+    return layer
+
+
+def _run_microbatches(layer, num_microbatches, seed):
+    """Training forwards (and one eval forward that must not count); per-forward stats back."""
+    g = torch.Generator().manual_seed(seed)
+    per_forward = []
+    layer.train()
+    for _ in range(num_microbatches):
+        layer(torch.randn(6, 2, HIDDEN, generator=g))
+        r = layer.router
+        per_forward.append((r.local_tokens_per_expert.clone(), r.global_tokens_per_expert.clone(),
+                            int(r.last_dropped), int(r.last_rerouted)))
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.randn(6, 2, HIDDEN, generator=g))
+    return per_forward
+
+
+def test_step_metrics_sum_the_microbatches_and_reset():
+    layer = _layer(None, "qb_capacity", moe_expert_capacity_factor=1.0)
+    layer.router.num_bins = 16  # coarse bins: ties in the boundary bin, so pairs get rerouted
+    per_forward = _run_microbatches(layer, 3, seed=1)
+    metrics = collect_moe_metrics([layer], ep_group=None)
+    (m,) = metrics.layers
+    global_counts = torch.stack([f[1] for f in per_forward]).sum(0)
+    assert m.layer == 3
+    assert m.global_tokens_per_expert == global_counts.tolist()
+    assert m.local_tokens_per_expert == global_counts.tolist()  # one rank: local == global
+    assert m.maxvio == pytest.approx(_direct_maxvio(global_counts.tolist()))
+    assert m.dropped == sum(f[2] for f in per_forward)
+    assert m.rerouted == sum(f[3] for f in per_forward)
+    assert m.rerouted > 0
+    assert m.ep_load_factor == 1.0
+    # Capacity factor 1: every expert takes at most its share, so MaxVio stays ~0 per microbatch.
+    assert m.maxvio <= 0.1
+    scalars = metrics.scalars()
+    assert scalars["moe/maxvio/layer_3"] == m.maxvio == scalars["moe/maxvio/mean"]
+    assert scalars["moe/rerouted"] == m.rerouted
+    assert int(layer.router.step_routed_counts.sum()) == 0  # reset for the next step
+    assert collect_moe_metrics([layer], ep_group=None).layers[0].maxvio == 0.0
+
+
+def test_bias_statistics_and_tensorboard_calls():
+    layer = _layer(None, "sign_bias")
+    bias = torch.randn(E, generator=torch.Generator().manual_seed(5))
+    layer.router.expert_bias.copy_(bias)
+    _run_microbatches(layer, 2, seed=2)
+    metrics = collect_moe_metrics([layer], ep_group=None)
+    (m,) = metrics.layers
+    assert (m.bias_mean, m.bias_std, m.bias_min, m.bias_max) == pytest.approx(
+        (bias.mean().item(), bias.std(unbiased=False).item(), bias.min().item(), bias.max().item()), rel=1e-6)
+    assert metrics.scalars()["moe/bias_std/layer_3"] == pytest.approx(m.bias_std)
+
+    calls = []
+
+    class Recorder:
+        def add_histogram(self, tag, values, iteration):
+            calls.append(("hist", tag, values.tolist(), iteration))
+
+        def add_heatmap(self, tag, matrix, iteration, vmax=None):
+            calls.append(("heat", tag, matrix.tolist(), iteration))
+
+    metrics.log_tensorboard(Recorder(), 7, rank=5)
+    assert calls[0] == ("hist", "moe/tokens_per_expert/rank_5/layer_3", m.received_tokens_per_expert, 7)
+    loads = torch.tensor(m.global_tokens_per_expert, dtype=torch.float64)
+    assert calls[1][:2] == ("heat", "moe/load_heatmap")
+    torch.testing.assert_close(torch.tensor(calls[1][2], dtype=torch.float64), (loads / loads.mean()).unsqueeze(0))
+
+
+def _ep2_worker(rank, world):
+    group = dist.new_group(list(range(world)))
+    layer = _layer(group, "qb_capacity")
+    per_forward = _run_microbatches(layer, 2, seed=10 + rank)  # each rank routes its own tokens
+    metrics = collect_moe_metrics([layer], ep_group=group, dp_group=group)
+    local = torch.stack([f[0] for f in per_forward]).sum(0)
+    return metrics, local, torch.stack([f[1] for f in per_forward]).sum(0)
+
+
+@pytest.mark.slow
+def test_ep2_global_metrics_agree_on_both_ranks_and_equal_direct_computation():
+    results = run_distributed(_ep2_worker, 2)
+    (m0,), (m1,) = results[0][0].layers, results[1][0].layers
+    global_counts = results[0][1] + results[1][1]
+    assert torch.equal(results[0][2], global_counts)  # the layer's per-forward global counts
+    for m, (_, local, _) in zip((m0, m1), results):
+        assert m.global_tokens_per_expert == global_counts.tolist()
+        assert m.local_tokens_per_expert == local.tolist()
+        assert m.maxvio == pytest.approx(_direct_maxvio(global_counts.tolist()))
+        assert m.ep_load_factor == pytest.approx(_direct_load_factor(global_counts.tolist(), 2))
+    assert (m0.dropped, m0.rerouted) == (m1.dropped, m1.rerouted)
+    assert m0.received_tokens_per_expert == global_counts[:E // 2].tolist()
+    assert m1.received_tokens_per_expert == global_counts[E // 2:].tolist()
+    assert results[0][0].scalars() == results[1][0].scalars()
