@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and what is allowed."""
+from megatron_ext.errors import ConfigError  # noqa: F401  (re-exported for callers)
 
 
 # Attention kinds a layer pattern may use.

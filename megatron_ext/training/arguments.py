@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import sys
 import types
 import typing
@@ -25,8 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Sequence
 
 
-class ConfigError(ValueError):
-    """A bad key or value in the config file or on the command line."""
+from megatron_ext.errors import ConfigError
 
 
 def _require(ok: bool, key: str, allowed: str) -> None:
@@ -43,7 +43,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: Optional[int] = None
     expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None  # None: same as tensor_model_parallel_size
+    expert_tensor_parallel_size: int = 1  # our MoE layer keeps whole experts on a rank
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
 
@@ -102,10 +102,13 @@ class TrainingConfig:
         _require(gbs is None or gbs >= 1, "global_batch_size", f"must be >= 1, got {gbs}")
         _require(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
         _require(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}")
-        _require(0 <= self.lr_warmup_iters <= self.train_iters, "lr_warmup_iters",
-                 f"must be in [0, train_iters={self.train_iters}], got {self.lr_warmup_iters}")
         decay = self.lr_decay_iters
         _require(decay is None or decay >= 1, "lr_decay_iters", f"must be >= 1, got {decay}")
+        # Megatron's scheduler needs warmup to end before decay does.
+        decay_end = self.train_iters if decay is None else decay
+        _require(0 <= self.lr_warmup_iters < decay_end, "lr_warmup_iters",
+                 f"must be in [0, {decay_end}) (lr_decay_iters, or train_iters), "
+                 f"got {self.lr_warmup_iters}")
         _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         for key in ("adam_beta1", "adam_beta2"):
             _require(0 <= getattr(self, key) < 1, key, f"must be in [0, 1), got {getattr(self, key)}")
@@ -424,7 +427,7 @@ def load_config(
         try:
             built[sec.cls] = sec.build(kwargs, built) if sec.build else sec.cls(**kwargs)
         except ConfigError as exc:
-            key = str(exc).split(":", 1)[0]
+            key = re.match(r"\w*", str(exc)).group(0)  # messages start with the key
             raise ConfigError(f"{exc} (from {sources.get(key, 'the default')})") from None
         except (ValueError, AssertionError, TypeError) as exc:
             raise ConfigError(f"invalid {sec.cls.__name__}: {exc}") from exc

@@ -1,0 +1,272 @@
+"""Train the hybrid model: ``torchrun --nproc-per-node N launch/train.py --config configs/X.yaml``.
+
+Flags use Megatron-LM's names (``--tensor-model-parallel-size 2 --train-iters 100 ...``) and
+override the YAML file; ``--help`` lists every key. The loop reads top to bottom:
+
+  1. process group, config, parallel state;
+  2. model chunks -> Megatron DDP -> Megatron (distributed) AdamW -> LR schedule;
+  3. resume from ``--load`` (model, optimizer, scheduler, data position, RNG);
+  4. per iteration: microbatches through Megatron's pipeline schedule, optimizer step,
+     per-step router-bias updates, logs (progress line, TensorBoard, metrics.jsonl);
+  5. evaluation and atomic checkpoints every N iterations and at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_ext import cpu_compat  # noqa: E402
+from megatron_ext.errors import ConfigError  # noqa: E402
+from megatron_ext.training.arguments import (  # noqa: E402
+    TRAINING_SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    ParallelConfig,
+    Section,
+    TrainingConfig,
+    load_config,
+)
+
+LAYOUT_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "sequence_parallel",
+)
+
+
+def model_section():
+    """The model keys of ``HybridConfig``; layout and dtype come from the training sections."""
+    from megatron_ext.config import USER_FIELDS, HybridConfig
+
+    def build(values, built):
+        par, train = built[ParallelConfig], built[TrainingConfig]
+        dtype = torch.bfloat16 if train.bf16 else torch.float32
+        return HybridConfig(
+            **{k: getattr(par, k) for k in LAYOUT_KEYS},
+            bf16=train.bf16,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            max_sequence_length=values.pop("max_sequence_length", train.seq_length),
+            **values,
+        )
+
+    return Section(HybridConfig, fields=USER_FIELDS, build=build)
+
+
+def init_distributed() -> None:
+    # Plain `python launch/train.py` runs as a one-process job.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+    else:
+        cpu_compat.install()
+        dist.init_process_group("gloo")
+
+
+def log0(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def main(argv=None) -> None:
+    # The config is checked before any process group exists, so a bad key fails fast.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from megatron_ext.config import HybridConfig
+
+    cfg = load_config([*TRAINING_SECTIONS, model_section()], argv, world_size=world)
+    from megatron_ext.parallel import validate_layout
+
+    validate_layout(cfg[HybridConfig], world)
+    init_distributed()
+    model_cfg: HybridConfig = cfg[HybridConfig]
+    par, train, data_cfg = cfg[ParallelConfig], cfg[TrainingConfig], cfg[DataConfig]
+    ckpt_cfg, log_cfg = cfg[CheckpointConfig], cfg[LoggingConfig]
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_ext.data.build import build_data_iterators
+    from megatron_ext.flops import model_flops_per_token
+    from megatron_ext.moe.router import update_expert_biases
+    from megatron_ext.parallel import build_model_chunks, build_optimizer, initialize_parallel, wrap_ddp
+    from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_ext.training.metrics_log import MetricsLogger
+    from megatron_ext.training.step import forward_backward
+
+    # 1-2. Parallel state, model, DDP, optimizer, schedule.
+    initialize_parallel(model_cfg, train.seed)
+    chunks = wrap_ddp(
+        build_model_chunks(model_cfg), model_cfg, use_distributed_optimizer=par.use_distributed_optimizer
+    )
+    optimizer = build_optimizer(
+        chunks,
+        lr=train.lr,
+        min_lr=train.min_lr,
+        weight_decay=train.weight_decay,
+        adam_beta1=train.adam_beta1,
+        adam_beta2=train.adam_beta2,
+        adam_eps=train.adam_eps,
+        clip_grad=train.clip_grad,
+        bf16=train.bf16,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+    )
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=train.lr,
+        min_lr=train.min_lr,
+        lr_warmup_steps=train.lr_warmup_iters,
+        lr_decay_steps=train.lr_decay_iters or train.train_iters,
+        lr_decay_style=train.lr_decay_style,
+        start_wd=train.weight_decay,
+        end_wd=train.weight_decay,
+        wd_incr_steps=train.train_iters,
+        wd_incr_style="constant",
+    )
+    n_params = sum(p.numel() for c in chunks for p in c.parameters())
+    log0(f"> model: {model_cfg.num_layers} layers, pattern {model_cfg.attention_pattern!r}, "
+         f"{n_params / 1e6:.2f}M parameters on rank 0, world {world} "
+         f"(TP{par.tensor_model_parallel_size} PP{par.pipeline_model_parallel_size} "
+         f"EP{par.expert_model_parallel_size} DP{ps.get_data_parallel_world_size()})")
+
+    def sharded_state(for_loading: bool, with_optimizer: bool) -> dict:
+        model_sd = {f"model{i}": c.module.sharded_state_dict() for i, c in enumerate(chunks)}
+        state = dict(model_sd)
+        if with_optimizer:
+            merged = {k: v for sd in model_sd.values() for k, v in sd.items()}
+            state["optimizer"] = optimizer.sharded_state_dict(
+                merged, is_loading=for_loading,
+                metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"},
+            )
+        return state
+
+    # 3. Resume.
+    iteration, consumed = 0, 0
+    if ckpt_cfg.load:
+        loaded = load_checkpoint(
+            ckpt_cfg.load,
+            sharded_state(True, not ckpt_cfg.no_load_optim),
+            load_rng=not ckpt_cfg.no_load_rng,
+        )
+        if loaded is None:
+            log0(f"> no checkpoint in {ckpt_cfg.load}; starting from scratch")
+        else:
+            state, common = loaded
+            for i, c in enumerate(chunks):
+                c.module.load_state_dict(state[f"model{i}"])
+            if "optimizer" in state:
+                optimizer.load_state_dict(state["optimizer"])
+            if "scheduler" in common and not ckpt_cfg.no_load_optim:
+                scheduler.load_state_dict(common["scheduler"])
+            iteration, consumed = common["iteration"], common["consumed_samples"]
+            log0(f"> resumed from {ckpt_cfg.load} at iteration {iteration}")
+
+    def save(it: int) -> None:
+        path = save_checkpoint(
+            ckpt_cfg.save,
+            it,
+            sharded_state(False, not ckpt_cfg.no_save_optim),
+            {"iteration": it, "consumed_samples": consumed, "scheduler": scheduler.state_dict()},
+            config=cfg.to_dict(),
+        )
+        log0(f"> saved checkpoint {path}")
+
+    # 4. Data and logs.
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    data = build_data_iterators(
+        data_cfg,
+        seq_length=train.seq_length,
+        micro_batch_size=train.micro_batch_size,
+        global_batch_size=train.global_batch_size,
+        train_iters=train.train_iters,
+        seed=train.seed,
+        eval_iters=log_cfg.eval_iters,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        consumed_samples=consumed,
+        log=log0,
+    )
+    micro_per_step = train.global_batch_size // (train.micro_batch_size * dp_size)
+    is_logger = dist.get_rank() == world - 1  # the last pipeline stage holds the loss
+    logger = MetricsLogger(
+        train.train_iters,
+        tensorboard_dir=log_cfg.tensorboard_dir,
+        metrics_dir=log_cfg.metrics_dir,
+        enabled=is_logger,
+    )
+    flops_per_token = model_flops_per_token(model_cfg, train.seq_length)
+    bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+
+    def run(microbatches, forward_only=False):
+        return forward_backward(
+            chunks, microbatches, train.seq_length, train.micro_batch_size, forward_only=forward_only
+        )
+
+    log0(f"> training from iteration {iteration} to {train.train_iters}")
+    while iteration < train.train_iters:
+        start = time.perf_counter()
+        for c in chunks:
+            c.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = run([next(data.train) for _ in range(micro_per_step)])
+        _, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=1)
+        update_expert_biases(chunks, bias_group)
+        iteration += 1
+        consumed += train.global_batch_size
+        elapsed = time.perf_counter() - start
+        tokens_per_sec = train.global_batch_size * train.seq_length / elapsed
+        if is_logger and (iteration % log_cfg.log_interval == 0 or iteration == train.train_iters):
+            logger.log_iteration(
+                iteration,
+                consumed_samples=consumed,
+                lm_loss=loss,
+                lr=optimizer.param_groups[0]["lr"],
+                grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                batch_size=train.global_batch_size,
+                iteration_time_s=elapsed,
+                tokens_per_sec=tokens_per_sec,
+                flops_per_token=flops_per_token if torch.cuda.is_available() else None,
+                peak_tflops=log_cfg.peak_tflops,
+                num_gpus=world,
+            )
+        if log_cfg.eval_iters and data.valid is not None and iteration % log_cfg.eval_interval == 0:
+            data.valid.reset()
+            micro_eval = log_cfg.eval_iters * micro_per_step
+            with torch.no_grad():
+                val = run([next(data.valid) for _ in range(micro_eval)], forward_only=True)
+            if is_logger:
+                logger.log_validation(iteration, val, consumed)
+        # 5. Checkpoints.
+        if ckpt_cfg.save and ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0:
+            save(iteration)
+    if ckpt_cfg.save and not (ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0):
+        save(iteration)
+    logger.close()
+    dist.barrier()
+    log0("> done")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as exc:  # a bad key or value: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
