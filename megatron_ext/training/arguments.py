@@ -246,7 +246,8 @@ def _coerce(tp, value):
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         single = value[0] if isinstance(value, list) and len(value) == 1 else value
-        if single is None or (isinstance(single, str) and single.lower() in ("null", "none")):
+        # "" (e.g. `--save ""`) also switches an optional setting off.
+        if single is None or (isinstance(single, str) and single.lower() in ("", "null", "none")):
             if type(None) in args:
                 return None
         for arg in (a for a in args if a is not type(None)):
