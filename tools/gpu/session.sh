@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device-machine call that checks and times everything (see docs/benchmarks.md).
+# Usage on the GPU machine, from the repo root, with the cp312 wheels in .whl/:
+#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,moe,routing,kda
+# Each step has its own time limit, logs to $OUT/session.log and writes its JSON under $OUT.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+STEPS=${1:-tests,train,attnres,moe,routing}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD
+LOG="$OUT/session.log"
+step() {  # step NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  case ",$STEPS," in *",$name,"*) ;; *) return 0 ;; esac
+  echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0))s" | tee -a "$LOG"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG"
+step tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/kda tests/attn_res
+step train 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_training.py
+step attnres 120 python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
+step moe 100 python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
+step moe2 100 torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
+step routing 60 python3 tools/bench_routing.py --out "$OUT/routing-h200.json"
+step kda 420 python3 tools/bench_kda.py --shapes 0,1 --out "$OUT/kda-h200.json"
+tail -n 60 "$LOG" | grep -E "^===|passed|failed|error|Error" | tail -40
