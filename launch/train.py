@@ -103,6 +103,7 @@ def main(argv=None) -> None:
 
     from megatron_ext.data.build import build_data_iterators
     from megatron_ext.flops import model_flops_per_token
+    from megatron_ext.moe.metrics import collect_moe_metrics
     from megatron_ext.moe.router import update_expert_biases
     from megatron_ext.parallel import build_model_chunks, build_optimizer, initialize_parallel, wrap_ddp
     from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
@@ -203,12 +204,19 @@ def main(argv=None) -> None:
         log=log0,
     )
     micro_per_step = train.global_batch_size // (train.micro_batch_size * dp_size)
-    is_logger = dist.get_rank() == world - 1  # the last pipeline stage holds the loss
+    rank = dist.get_rank()
+    is_logger = rank == world - 1  # the last pipeline stage holds the loss
     logger = MetricsLogger(
         train.train_iters,
         tensorboard_dir=log_cfg.tensorboard_dir,
         metrics_dir=log_cfg.metrics_dir,
         enabled=is_logger,
+    )
+    # Per-rank expert load: every rank writes its own TensorBoard run, tensorboard_dir/rank_<r>.
+    rank_logger = (
+        MetricsLogger(train.train_iters, tensorboard_dir=os.path.join(log_cfg.tensorboard_dir, f"rank_{rank}"))
+        if log_cfg.tensorboard_dir and model_cfg.num_moe_experts
+        else None
     )
     flops_per_token = model_flops_per_token(model_cfg, train.seq_length)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
@@ -227,6 +235,15 @@ def main(argv=None) -> None:
         loss = run([next(data.train) for _ in range(micro_per_step)])
         _, grad_norm, _ = optimizer.step()
         scheduler.step(increment=1)
+        moe = None
+        if model_cfg.num_moe_experts:
+            # Collectives on every rank; before the bias update so bias stats are this step's.
+            moe = collect_moe_metrics(
+                chunks,
+                ps.get_expert_model_parallel_group(),
+                dp_group=bias_group,
+                pp_group=ps.get_pipeline_model_parallel_group(),
+            )
         update_expert_biases(chunks, bias_group)
         iteration += 1
         consumed += train.global_batch_size
@@ -245,7 +262,10 @@ def main(argv=None) -> None:
                 flops_per_token=flops_per_token if torch.cuda.is_available() else None,
                 peak_tflops=log_cfg.peak_tflops,
                 num_gpus=world,
+                extra=moe.scalars() if moe is not None else None,
             )
+        if rank_logger is not None and moe is not None and iteration % log_cfg.log_interval == 0:
+            moe.log_tensorboard(rank_logger, iteration, rank, write_heatmap=is_logger)
         if log_cfg.eval_iters and data.valid is not None and iteration % log_cfg.eval_interval == 0:
             data.valid.reset()
             micro_eval = log_cfg.eval_iters * micro_per_step
@@ -259,6 +279,8 @@ def main(argv=None) -> None:
     if ckpt_cfg.save and not (ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0):
         save(iteration)
     logger.close()
+    if rank_logger is not None:
+        rank_logger.close()
     dist.barrier()
     log0("> done")
     dist.destroy_process_group()
