@@ -23,11 +23,11 @@ step() {  # step NAME SECONDS CMD...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG"
-step tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/kda tests/attn_res
-step train 240 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_training.py
-step attnres 120 python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
-step moe 100 python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
-step moe2 100 torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
-step routing 60 python3 tools/bench_routing.py --out "$OUT/routing-h200.json"
-step kda 420 python3 tools/bench_kda.py --shapes 0,1 --out "$OUT/kda-h200.json"
+step tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/kda tests/attn_res
+step train 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_training.py
+step attnres 90 python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
+step moe 60 python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
+step moe2 60 torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
+step routing 45 python3 tools/bench_routing.py --out "$OUT/routing-h200.json"
+step kda 300 python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-} --out "$OUT/kda-h200.json"
 tail -n 60 "$LOG" | grep -E "^===|passed|failed|error|Error" | tail -40
