@@ -1,0 +1,246 @@
+"""Training-step cost of Block Attention Residuals on one GPU, and its depth-attention kernel.
+
+Runs, in one process:
+
+1. the training step (forward + backward + optimizer) of the same dense decoder with standard
+   residuals and with Block AttnRes (N = 8 blocks): median step time over ``--steps`` steps
+   after ``--warmup`` (CUDA events) and peak allocated memory (weights, AdamW state and
+   activations). GPU model: 8 layers, hidden 2048, 16 heads (4 KV groups), SwiGLU FFN 5632,
+   vocab 32000, seq 4096, micro-batch 2, bf16 (Megatron Float16Module + bf16 AdamW), full
+   attention ("A"), dense MLP, no parallelism;
+2. the fused depth-attention kernel against its PyTorch reference (``kernels.attn_res``
+   ``impl="triton"`` vs ``impl="torch"``), forward + backward, n = 9 sources (the final mix of
+   N = 8), T = 8192 tokens, h = 2048, bf16; median of CUDA-event times.
+
+Prints a table and writes JSON (``--out``, default docs/bench/attnres-h200.json) with
+``standard_step_ms``, ``attnres_step_ms``, ``standard_peak_mem_gb``, ``attnres_peak_mem_gb``,
+``kernel_ms``, ``reference_ms``, ``device``, ``date`` (plus the settings used).
+
+``--smoke``: the same code path on the CPU with tiny sizes (fp32, gloo, cpu_compat, the
+kernel under Triton's interpreter); checks that it runs, not the speed. Writes JSON only
+with ``--out``.
+
+    python tools/bench_attnres.py [--out docs/bench/attnres-h200.json]
+    python tools/bench_attnres.py --smoke [--out /tmp/attnres-smoke.json]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--smoke" in sys.argv:  # the Triton interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse
+import datetime
+import gc
+import json
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_OUT = "docs/bench/attnres-h200.json"
+GPU_MODEL = dict(
+    num_layers=8, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
+    ffn_hidden_size=5632, vocab_size=32000, max_sequence_length=4096,
+)
+SMOKE_MODEL = dict(
+    num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+    ffn_hidden_size=64, vocab_size=257, max_sequence_length=16,
+)
+GPU_SHAPE = dict(seq=4096, micro_batch=2, sources=9)
+SMOKE_SHAPE = dict(seq=16, micro_batch=2, sources=9)
+ATTN_RES_BLOCKS = 8
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help=f"JSON path (default on GPU: {DEFAULT_OUT}; smoke: none)")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (code path check)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 12 GPU, 2 smoke)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3 GPU, 1 smoke)")
+    return p.parse_args(argv)
+
+
+class Timer:
+    """Milliseconds of a callable: CUDA events on the GPU, wall clock on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def __call__(self, fn) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(end)
+
+
+def init_single_rank(cuda: bool) -> None:
+    if torch.distributed.is_initialized():
+        return
+    if cuda:
+        torch.cuda.set_device(0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+
+
+def make_config(model: dict, bf16: bool, attn_res: bool):
+    from megatron_ext.config import HybridConfig
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    extra = dict(attn_res=True, attn_res_num_blocks=ATTN_RES_BLOCKS) if attn_res else {}
+    return HybridConfig(bf16=bf16, params_dtype=torch.float32, pipeline_dtype=dtype,
+                        use_cpu_initialization=not bf16, **model, **extra)
+
+
+def microbatch(config, seq: int, micro_batch: int, device) -> dict:
+    g = torch.Generator().manual_seed(0)
+    window = torch.randint(0, config.vocab_size, (micro_batch, seq + 1), generator=g)
+    return {
+        "tokens": window[:, :-1].contiguous().to(device),
+        "labels": window[:, 1:].contiguous().to(device),
+        "loss_mask": torch.ones(micro_batch, seq, device=device),
+        "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
+    }
+
+
+def time_training_step(config, shape: dict, steps: int, warmup: int, timer: Timer) -> dict:
+    """Median step ms and peak GB of one model: forward+backward (Megatron schedule) + AdamW."""
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_ext.parallel import build_model_chunks, build_optimizer, wrap_ddp
+    from megatron_ext.training.step import forward_backward
+
+    cuda = timer.cuda
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    chunks = build_model_chunks(config)
+    if config.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    chunks = wrap_ddp(chunks, config)
+    optimizer = build_optimizer(chunks, lr=1e-4, bf16=config.bf16)
+    device = next(chunks[0].parameters()).device
+    batch = [microbatch(config, shape["seq"], shape["micro_batch"], device)]
+
+    def step():
+        for c in chunks:
+            c.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(chunks, batch, shape["seq"], shape["micro_batch"])
+        optimizer.step()
+
+    times = []
+    for i in range(warmup + steps):
+        ms = timer(step)
+        if i >= warmup:
+            times.append(ms)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    del chunks, optimizer
+    return {"step_ms": statistics.median(times), "peak_mem_gb": peak}
+
+
+def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: int, timer: Timer) -> dict:
+    """Median forward+backward ms of depth_attention, impl='triton' vs impl='torch'."""
+    from kernels.attn_res import depth_attention
+
+    device = "cuda" if timer.cuda else "cpu"
+    g = torch.Generator(device=device).manual_seed(1)
+    tokens = shape["seq"] * shape["micro_batch"]
+    sources = [
+        (torch.randn(tokens, hidden, generator=g, device=device) * (0.5 + i)).to(dtype).requires_grad_(True)
+        for i in range(shape["sources"])
+    ]
+    query = (0.1 * torch.randn(hidden, generator=g, device=device)).requires_grad_(True)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=g, device=device)).requires_grad_(True)
+    grad_out = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+    result = {}
+    for impl in ("triton", "torch"):
+        def fwd_bwd(impl=impl):
+            out = depth_attention(sources, query, norm_weight, impl=impl)
+            torch.autograd.backward(out, grad_out)
+
+        times = [timer(fwd_bwd) for _ in range(warmup + steps)][warmup:]
+        result[impl] = statistics.median(times)
+    return {"kernel_ms": result["triton"], "reference_ms": result["torch"]}
+
+
+def run(args) -> dict:
+    from megatron_ext import cpu_compat
+    from megatron_ext.parallel import initialize_parallel
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not cuda and not args.smoke:
+        raise SystemExit("no CUDA device: run on a GPU, or pass --smoke for the CPU code-path check")
+    steps = args.steps or (12 if cuda else 2)
+    warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
+    model, shape = (GPU_MODEL, GPU_SHAPE) if cuda else (SMOKE_MODEL, SMOKE_SHAPE)
+    cpu_compat.install()
+    init_single_rank(cuda)
+    timer = Timer(cuda)
+    standard_config = make_config(model, bf16=cuda, attn_res=False)
+    initialize_parallel(standard_config, seed=1234)
+    standard = time_training_step(standard_config, shape, steps, warmup, timer)
+    attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True), shape, steps, warmup, timer)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    kernel = time_depth_attention(shape, model["hidden_size"], dtype, steps, warmup, timer)
+    return {
+        "standard_step_ms": standard["step_ms"],
+        "attnres_step_ms": attn_res["step_ms"],
+        "standard_peak_mem_gb": standard["peak_mem_gb"],
+        "attnres_peak_mem_gb": attn_res["peak_mem_gb"],
+        **kernel,
+        "device": torch.cuda.get_device_name() if cuda else "cpu (smoke)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": {
+            "model": model, **shape, "attn_res_num_blocks": ATTN_RES_BLOCKS, "dtype": str(dtype),
+            "mlp": "dense SwiGLU", "steps": steps, "warmup": warmup, "smoke": not cuda,
+        },
+    }
+
+
+def print_table(r: dict) -> None:
+    rows = [
+        ("training step, standard residuals", f"{r['standard_step_ms']:.2f} ms", f"{r['standard_peak_mem_gb']:.2f} GB"),
+        ("training step, Block AttnRes N=8", f"{r['attnres_step_ms']:.2f} ms", f"{r['attnres_peak_mem_gb']:.2f} GB"),
+        ("depth attention fwd+bwd, Triton", f"{r['kernel_ms']:.3f} ms", ""),
+        ("depth attention fwd+bwd, PyTorch", f"{r['reference_ms']:.3f} ms", ""),
+    ]
+    print(f"{r['device']}  {r['date']}")
+    for name, time_col, mem_col in rows:
+        print(f"{name:<36} {time_col:>12} {mem_col:>10}")
+    overhead = r["attnres_step_ms"] / r["standard_step_ms"] - 1
+    print(f"AttnRes step overhead: {overhead:+.1%}")
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    result = run(args)
+    print_table(result)
+    out = args.out or (None if args.smoke else DEFAULT_OUT)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()
