@@ -92,4 +92,24 @@ def run_all(rank, world_size):
         "one_block_zero_queries": one_block_vs_standard(random_queries=False),
         "one_block_random_queries": one_block_vs_standard(random_queries=True),
         "init_mixers": mixer_inputs_at_init(2),
+        "saved_bytes_standard": saved_activation_bytes(),
+        "saved_bytes_full_attn_res": saved_activation_bytes(attn_res=True, attn_res_num_blocks=8),
     }
+
+
+def saved_activation_bytes(**overrides) -> tuple[int, int]:
+    """(bytes of distinct storages autograd saves in one forward, bytes of one [s, b, h])."""
+    model = _model(**overrides)
+    tokens, pos = _batch()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, pos, None)
+    return sum(storages.values()), tokens.numel() * model.config.hidden_size * 4

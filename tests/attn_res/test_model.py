@@ -66,3 +66,12 @@ def test_zero_queries_give_uniform_average_with_block_schedule(results):
         if len(sources) > 1:
             assert (sources[0] - sources[-1]).abs().max() > 1e-3, f"{name}: sources not distinct"
         torch.testing.assert_close(out, sum(sources) / len(sources), rtol=1e-6, atol=1e-7)
+
+
+def test_activation_memory_is_one_mixed_input_per_sublayer_more_than_standard(results):
+    """Full AttnRes (the most sources) saves at most one extra [s, b, h] per depth mix (its
+    output, which the sublayer's norm keeps, as the standard model keeps its residual stream);
+    no stacked sources, keys or logits are kept. 4 layers: 8 sublayer mixes + the final one."""
+    standard, one = results["saved_bytes_standard"]
+    attn_res, _ = results["saved_bytes_full_attn_res"]
+    assert attn_res - standard <= 9 * one, (attn_res - standard) / one
