@@ -172,6 +172,8 @@ def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: in
     result = {}
     for impl in ("triton", "torch"):
         def fwd_bwd(impl=impl):
+            for t in (*sources, query, norm_weight):
+                t.grad = None
             out = depth_attention(sources, query, norm_weight, impl=impl)
             torch.autograd.backward(out, grad_out)
 

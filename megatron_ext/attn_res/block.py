@@ -140,9 +140,9 @@ class AttnResTransformerBlock(TransformerBlock):
                 inner = layer(inner, **layer_kwargs)
             return inner.new_since(num_blocks)
 
-        created = tensor_parallel.checkpoint(
-            run_group, self.config.distribute_saved_activations, *state.flat()
-        )
+        # distribute_saved_activations is off: it would shard its first input (b_0) in place,
+        # and b_0 is still read by every later layer.
+        created = tensor_parallel.checkpoint(run_group, False, *state.flat())
         created = (created,) if torch.is_tensor(created) else tuple(created)
         closed = sum(sum(layer.closes) for layer in layers)
         _, has_partial = sources_entering(2 * (layers[-1].layer_number), self.block_size)
