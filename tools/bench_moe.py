@@ -21,7 +21,10 @@ inside (it is built in the forward).
     python tools/bench_moe.py --smoke --out /tmp/moe.json                 # CPU, tiny, gloo
 
 With torchrun each rank routes its own 16k tokens and EP = world size (TP = PP = 1). Rows with
-``gpus`` = world size; run both and merge if one file is wanted.
+``gpus`` = world size; run both and merge if one file is wanted. A variant that raises is
+reported as ``null`` with ``<variant>_error`` and the others still run (e.g. ``--smoke`` under
+torchrun: Megatron's all-to-all dispatcher turns its split sizes into lists only for CUDA
+tensors, so its EP > 1 path fails on the CPU; on GPUs it is the normal path).
 """
 
 from __future__ import annotations
