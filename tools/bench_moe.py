@@ -97,6 +97,10 @@ def init_distributed(smoke: bool):
     world = dist.get_world_size()
     ps.initialize_model_parallel(expert_model_parallel_size=world, expert_tensor_parallel_size=1)
     torch.manual_seed(1234)
+    # Megatron's layers initialise under its model- and expert-parallel RNG streams.
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)
     return dist.get_rank(), world
 
 
