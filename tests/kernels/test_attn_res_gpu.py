@@ -29,7 +29,9 @@ def _grads(fn, sources, query, norm_weight, grad_out):
 def _assert_relative_close(actual, expected, bound, name):
     err = (actual.float() - expected.float()).abs().max().item()
     scale = expected.float().abs().max().item()
-    assert err <= bound * scale, f"{name}: max error {err:.3e} exceeds {bound} x max |ref| {scale:.3e}"
+    # With one source the query/norm gradients are exactly zero; then the bound is absolute.
+    allowed = bound * scale if scale > 0 else bound
+    assert err <= allowed, f"{name}: max error {err:.3e} exceeds {allowed:.3e} (max |ref| {scale:.3e})"
 
 
 @pytest.mark.parametrize("hidden", [48, 1536, 2048])

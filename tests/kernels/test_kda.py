@@ -66,7 +66,7 @@ def assert_match(results, tol, expect_grads):
     (o, s, grads), (o_ref, s_ref, grads_ref) = results
     assert rel_err(o, o_ref) < tol, f"output rel err {rel_err(o, o_ref)}"
     assert rel_err(s, s_ref) < tol, f"final state rel err {rel_err(s, s_ref)}"
-    assert set(grads) == set(grads_ref) == set(expect_grads)
+    assert set(grads) == set(grads_ref) and set(expect_grads) <= set(grads)
     for n in expect_grads:
         assert torch.isfinite(grads[n]).all(), n
         assert rel_err(grads[n], grads_ref[n]) < tol, f"d{n} rel err {rel_err(grads[n], grads_ref[n])}"

@@ -70,4 +70,6 @@ def test_grouped_mm_matches_loop_on_gpu_in_bf16():
     assert grouped_mm_supported(x, w1, w2)
     out = grouped_ffn(x, w1, w2, counts, F.silu, True, use_grouped_mm=True)
     ref = grouped_ffn(x.float(), w1.float(), w2.float(), counts, F.silu, True, use_grouped_mm=False)
-    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+    # bf16 operands: relative error between 1e-3 and 1e-2 is bf16 rounding, not a bug.
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
