@@ -58,7 +58,8 @@ def test_one_rank_checkpoint_loads_into_tp2_pp2_ep2(tmp_path):
     "flags,message",
     [
         (["--hiden-size", "8"], "unknown config key 'hiden_size'"),
-        (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], "pipeline"),
+        (["--num-layers", "3", "--attn-res-num-blocks", "3", "--expert-model-parallel-size", "1",
+          "--pipeline-model-parallel-size", "2"], "num_layers=3 is not divisible by pipeline"),
     ],
 )
 def test_bad_config_fails_at_start_naming_the_key(flags, message):
