@@ -10,7 +10,11 @@ as in Megatron-LM's MFU. Per layer and token, ``h`` hidden, ``s`` sequence lengt
   (state read for the output and for the WY correction and the state update: ``3 x 2 d^2``;
   intra-chunk q.k and k.k products and the WY products over ``C / 2`` keys on average: ``4 C d``);
 * dense SwiGLU MLP ``6 h f``; MoE ``2 h E`` (router) + ``k 6 h f_e`` + shared ``6 h f_s``;
-* the output layer ``2 h V``.
+* the output layer ``2 h V`` (``V`` the padded vocabulary).
+
+Not counted: Block AttnRes's depth mixing (a softmax over at most ``N + 1`` sources per sublayer,
+``~4 (N + 1) h`` per sublayer: under 0.1% of the model at hidden 2048), RoPE, the aux loss.
+:func:`flops_breakdown` gives the forward FLOPs per token term by term.
 """
 
 from __future__ import annotations
@@ -46,11 +50,21 @@ def _mlp_flops(cfg, layer: int) -> float:
     return moe
 
 
+def flops_breakdown(cfg, seq_length: int) -> dict[str, float]:
+    """Forward FLOPs per token of ``cfg`` (a ``HybridConfig``), summed over layers, per term:
+    ``attention`` (full-attention layers), ``kda`` (KDA layers), ``mlp`` (dense and MoE) and
+    ``output`` (the output layer)."""
+    terms = {"attention": 0.0, "kda": 0.0, "mlp": 0.0,
+             "output": float(2 * cfg.hidden_size * cfg.padded_vocab_size())}
+    for layer in range(cfg.num_layers):
+        if cfg.attention_kind(layer) == "K":
+            terms["kda"] += _kda_flops(cfg)
+        else:
+            terms["attention"] += _attention_flops(cfg, seq_length)
+        terms["mlp"] += _mlp_flops(cfg, layer)
+    return terms
+
+
 def model_flops_per_token(cfg, seq_length: int) -> float:
     """Training FLOPs per token of ``cfg`` (a ``HybridConfig``) at ``seq_length``."""
-    forward = 2 * cfg.hidden_size * cfg.padded_vocab_size()
-    for layer in range(cfg.num_layers):
-        kind = cfg.attention_kind(layer)
-        forward += _kda_flops(cfg) if kind == "K" else _attention_flops(cfg, seq_length)
-        forward += _mlp_flops(cfg, layer)
-    return 3.0 * forward
+    return 3.0 * sum(flops_breakdown(cfg, seq_length).values())

@@ -34,14 +34,13 @@ if "--smoke" in sys.argv:  # the Triton interpreter must be chosen before triton
 
 import argparse
 import datetime
-import gc
 import json
-import socket
-import statistics
-import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools import bench_common  # noqa: E402
 
 DEFAULT_OUT = "docs/bench/attnres-h200.json"
 GPU_MODEL = dict(
@@ -66,38 +65,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class Timer:
-    """Milliseconds of a callable: CUDA events on the GPU, wall clock on the CPU."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-
-    def __call__(self, fn) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            fn()
-            return (time.perf_counter() - start) * 1e3
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        return begin.elapsed_time(end)
-
-
-def init_single_rank(cuda: bool) -> None:
-    if torch.distributed.is_initialized():
-        return
-    if cuda:
-        torch.cuda.set_device(0)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-    torch.distributed.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-
-
 def make_config(model: dict, bf16: bool, attn_res: bool):
     from megatron_ext.config import HybridConfig
 
@@ -107,59 +74,21 @@ def make_config(model: dict, bf16: bool, attn_res: bool):
                         use_cpu_initialization=not bf16, **model, **extra)
 
 
-def microbatch(config, seq: int, micro_batch: int, device) -> dict:
-    g = torch.Generator().manual_seed(0)
-    window = torch.randint(0, config.vocab_size, (micro_batch, seq + 1), generator=g)
-    return {
-        "tokens": window[:, :-1].contiguous().to(device),
-        "labels": window[:, 1:].contiguous().to(device),
-        "loss_mask": torch.ones(micro_batch, seq, device=device),
-        "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
-    }
-
-
-def time_training_step(config, shape: dict, steps: int, warmup: int, timer: Timer) -> dict:
+def time_training_step(config, shape: dict, steps: int, warmup: int) -> dict:
     """Median step ms and peak GB of one model: forward+backward (Megatron schedule) + AdamW."""
-    from megatron.core.transformer.module import Float16Module
+    from megatron_ext.parallel import build_model_chunks
 
-    from megatron_ext.parallel import build_model_chunks, build_optimizer, wrap_ddp
-    from megatron_ext.training.step import forward_backward
-
-    cuda = timer.cuda
-    if cuda:
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    chunks = build_model_chunks(config)
-    if config.bf16:
-        chunks = [Float16Module(config, c) for c in chunks]
-    chunks = wrap_ddp(chunks, config)
-    optimizer = build_optimizer(chunks, lr=1e-4, bf16=config.bf16)
-    device = next(chunks[0].parameters()).device
-    batch = [microbatch(config, shape["seq"], shape["micro_batch"], device)]
-
-    def step():
-        for c in chunks:
-            c.zero_grad_buffer()
-        optimizer.zero_grad()
-        forward_backward(chunks, batch, shape["seq"], shape["micro_batch"])
-        optimizer.step()
-
-    times = []
-    for i in range(warmup + steps):
-        ms = timer(step)
-        if i >= warmup:
-            times.append(ms)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-    del chunks, optimizer
-    return {"step_ms": statistics.median(times), "peak_mem_gb": peak}
+    result = bench_common.time_training_step(
+        lambda: build_model_chunks(config), config, config.vocab_size, shape["seq"], shape["micro_batch"],
+        warmup, steps)
+    return {"step_ms": result["step_ms"], "peak_mem_gb": result["peak_gb"]}
 
 
-def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: int, timer: Timer) -> dict:
+def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: int, cuda: bool) -> dict:
     """Median forward+backward ms of depth_attention, impl='triton' vs impl='torch'."""
     from kernels.attn_res import depth_attention
 
-    device = "cuda" if timer.cuda else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     g = torch.Generator(device=device).manual_seed(1)
     tokens = shape["seq"] * shape["micro_batch"]
     sources = [
@@ -177,13 +106,11 @@ def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: in
             out = depth_attention(sources, query, norm_weight, impl=impl)
             torch.autograd.backward(out, grad_out)
 
-        times = [timer(fwd_bwd) for _ in range(warmup + steps)][warmup:]
-        result[impl] = statistics.median(times)
+        result[impl] = bench_common.median_ms(fwd_bwd, warmup, steps, device)
     return {"kernel_ms": result["triton"], "reference_ms": result["torch"]}
 
 
 def run(args) -> dict:
-    from megatron_ext import cpu_compat
     from megatron_ext.parallel import initialize_parallel
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -192,15 +119,13 @@ def run(args) -> dict:
     steps = args.steps or (12 if cuda else 2)
     warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
     model, shape = (GPU_MODEL, GPU_SHAPE) if cuda else (SMOKE_MODEL, SMOKE_SHAPE)
-    cpu_compat.install()
-    init_single_rank(cuda)
-    timer = Timer(cuda)
+    bench_common.init_process_group(cuda)
     standard_config = make_config(model, bf16=cuda, attn_res=False)
     initialize_parallel(standard_config, seed=1234)
-    standard = time_training_step(standard_config, shape, steps, warmup, timer)
-    attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True), shape, steps, warmup, timer)
+    standard = time_training_step(standard_config, shape, steps, warmup)
+    attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True), shape, steps, warmup)
     dtype = torch.bfloat16 if cuda else torch.float32
-    kernel = time_depth_attention(shape, model["hidden_size"], dtype, steps, warmup, timer)
+    kernel = time_depth_attention(shape, model["hidden_size"], dtype, steps, warmup, cuda)
     return {
         "standard_step_ms": standard["step_ms"],
         "attnres_step_ms": attn_res["step_ms"],

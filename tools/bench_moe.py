@@ -33,14 +33,15 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.bench_common import init_expert_parallel, init_process_group, median_ms  # noqa: E402
 
 VARIANTS = ("topk", "qb_capacity", "qb_bias", "megatron")
 OUR_BALANCER = {"topk": "none", "qb_capacity": "qb_capacity", "qb_bias": "qb_bias"}
@@ -79,29 +80,11 @@ def parse_args(argv=None):
 
 def init_distributed(smoke: bool):
     """One process (world 1) or torchrun's world; Megatron's groups with EP = world size."""
-    from megatron.core import parallel_state as ps
-
-    if smoke:
-        from megatron_ext import cpu_compat
-
-        cpu_compat.install()
-    elif not torch.cuda.is_available():
+    if not smoke and not torch.cuda.is_available():
         raise SystemExit("bench_moe.py needs a CUDA GPU (use --smoke on the CPU)")
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("gloo" if smoke else "nccl", rank=int(os.environ.get("RANK", 0)),
-                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    world = dist.get_world_size()
-    ps.initialize_model_parallel(expert_model_parallel_size=world, expert_tensor_parallel_size=1)
-    torch.manual_seed(1234)
-    # Megatron's layers initialise under its model- and expert-parallel RNG streams.
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    model_parallel_cuda_manual_seed(1234)
-    return dist.get_rank(), world
+    rank, world = init_process_group(cuda=not smoke)
+    init_expert_parallel(seed=1234)
+    return rank, world
 
 
 def layer_config(args, num_experts: int, variant: str):
@@ -148,29 +131,6 @@ def build_layer(args, num_experts: int, variant: str):
         layer = MoELayer(config, pgs)
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
     return layer.to(device).train(), config.params_dtype, device
-
-
-def median_ms(step, warmup: int, iters: int, device: torch.device) -> float:
-    """Median wall time of ``step()`` in ms (CUDA events on the GPU), max over ranks."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1000 * (time.perf_counter() - t0))
-    worst = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return float(worst)
 
 
 def time_variant(args, num_experts: int, variant: str) -> float:
@@ -249,5 +209,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     main()

@@ -1,0 +1,157 @@
+"""Pieces the benchmark scripts share: process group, timing, synthetic batches, a training step.
+
+* :func:`init_process_group` - one process (world 1) or torchrun's world; nccl on the GPU,
+  gloo (with ``megatron_ext.cpu_compat``) on the CPU;
+* :func:`init_expert_parallel` - Megatron's groups with EP = world size (TP = PP = 1) and seeds;
+* :func:`median_ms` - median time of a step over iterations after a warm-up, max over ranks;
+* :func:`synthetic_batch` - one random-token microbatch in the ``megatron_ext.data`` format;
+* :func:`time_training_step` - forward + backward (Megatron schedule) + AdamW of a model built by
+  a callable: median step time and peak memory, everything freed afterwards.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def init_process_group(cuda: bool) -> tuple[int, int]:
+    """Join (or create) the default process group; return ``(rank, world_size)``."""
+    if not cuda:
+        from megatron_ext import cpu_compat
+
+        cpu_compat.install()
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:  # a plain one-process run: any free port
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ.get("RANK", 0)),
+                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def init_expert_parallel(seed: int = 1234) -> None:
+    """Megatron's process groups with EP = world size, expert TP = 1, and every RNG seeded.
+
+    Megatron's layers initialise under its model- and expert-parallel RNG streams, so those are
+    seeded too (``model_parallel_cuda_manual_seed``)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(expert_model_parallel_size=dist.get_world_size(),
+                                 expert_tensor_parallel_size=1)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def median_ms(step: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
+    """Median wall time of ``step()`` in ms (CUDA events on the GPU), max over ranks.
+
+    Ranks are aligned by a barrier before each timed call, so a rank never times its wait for a
+    slower peer from the previous iteration."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(1000 * (time.perf_counter() - t0))
+    worst = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
+
+
+def synthetic_batch(vocab_size: int, seq: int, micro_batch: int, device, seed: int = 0) -> dict:
+    """One microbatch of uniform random tokens: ``tokens``, ``labels``, ``loss_mask``, ``position_ids``."""
+    g = torch.Generator().manual_seed(seed)
+    window = torch.randint(0, vocab_size, (micro_batch, seq + 1), generator=g)
+    return {
+        "tokens": window[:, :-1].contiguous().to(device),
+        "labels": window[:, 1:].contiguous().to(device),
+        "loss_mask": torch.ones(micro_batch, seq, device=device),
+        "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
+    }
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Drop unreachable tensors and the caching allocator's free blocks; reset the peak counter."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def build_training_state(build_chunks: Callable[[], list], config):
+    """Model chunks (``Float16Module`` under bf16) -> Megatron DDP -> Megatron AdamW."""
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_ext.parallel import build_optimizer, wrap_ddp
+
+    chunks = build_chunks()
+    if config.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    chunks = wrap_ddp(chunks, config)
+    optimizer = build_optimizer(chunks, lr=1e-4, bf16=config.bf16)
+    return chunks, optimizer
+
+
+def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int, seq: int,
+                       micro_batch: int, warmup: int, steps: int, after_step: Callable[[list], None] | None = None,
+                       profiler=None) -> dict:
+    """Median ms of one training step and the peak memory (GB) of this rank.
+
+    A step is: zero the grads, forward + backward of one microbatch through Megatron's schedule,
+    ``optimizer.step()``, then ``after_step(chunks)`` (e.g. router-bias updates). The peak
+    counts weights, gradients, AdamW state and activations; it is reset before the model is built,
+    and the model and optimizer are freed before returning. ``profiler`` (a started
+    ``torch.profiler.profile``) is stepped after each timed step when given.
+    """
+    from megatron_ext.training.step import forward_backward
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    free_device_memory(device)
+    chunks, optimizer = build_training_state(build_chunks, config)
+    model_device = next(chunks[0].parameters()).device
+    # Each rank its own tokens (under EP every rank routes a different batch, as in training).
+    batch = [synthetic_batch(vocab_size, seq, micro_batch, model_device, seed=dist.get_rank())]
+
+    def step():
+        for c in chunks:
+            c.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(chunks, batch, seq, micro_batch)
+        optimizer.step()
+        if after_step is not None:
+            after_step(chunks)
+        if profiler is not None:
+            profiler.step()
+
+    try:
+        ms = median_ms(step, warmup, steps, model_device)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if model_device.type == "cuda" else 0.0
+    finally:
+        del chunks, optimizer, batch
+        free_device_memory(model_device)
+    return {"step_ms": ms, "peak_gb": peak}
