@@ -224,6 +224,11 @@ def _jsonable(value):
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
+    if callable(value):
+        # By name, not repr: a repr carries a memory address that differs between ranks, and
+        # the checkpoint's common state must be identical on every rank.
+        inner = getattr(value, "func", value)  # functools.partial
+        return f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
     return str(value)
 
 
