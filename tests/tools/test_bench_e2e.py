@@ -1,0 +1,66 @@
+"""tools/bench_e2e.py --smoke: every variant's training step on the CPU, the JSON, the profile table."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tools.bench_e2e import VARIANTS, format_table, write_json
+
+ROOT = Path(__file__).resolve().parents[2]
+ROW_KEYS = {"name", "gpus", "seq", "tokens_per_sec", "tflops", "mfu", "peak_gb"}
+
+
+def _start(tmp_path, *flags):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(ROOT / "tools" / "bench_e2e.py"), "--smoke", *flags],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def test_smoke_times_every_variant_and_profiles_one(tmp_path):
+    out_json, out_md = tmp_path / "e2e.json", tmp_path / "profile.md"
+    # The two runs are independent processes: run them side by side to halve the wall time.
+    bench = _start(tmp_path, "--out", str(out_json))
+    profile = _start(tmp_path, "--profile", "ours_full", "--profile-out", str(out_md))
+    stdout = _finish(bench)
+    _finish(profile)
+
+    result = json.loads(out_json.read_text())
+    assert {"rows", "device", "date", "peak_tflops_measured"} <= set(result) and result["device"] == "cpu"
+    assert result["peak_tflops_measured"] > 0
+    rows = {r["name"]: r for r in result["rows"]}
+    assert list(rows) == list(VARIANTS)
+    for name, row in rows.items():
+        assert "error" not in row, (name, row.get("error"))
+        assert ROW_KEYS <= set(row) and row["gpus"] == 1
+        assert row["tokens_per_sec"] > 0 and row["tflops"] > 0 and row["mfu"] > 0, name
+    assert rows["ours_base_16k"]["seq"] == 2 * rows["ours_base"]["seq"]
+    # One formula for every row: stock and ours_base have the same layers, so the same FLOPs.
+    assert rows["stock"]["flops_per_token"] == rows["ours_base"]["flops_per_token"]
+    assert rows["ours_full"]["flops_per_token"] != rows["ours_base"]["flops_per_token"]
+    assert stdout.rstrip().splitlines()[-1].split("|")[0].strip() == "ours_full_16k"  # the table is last
+
+    table = out_md.read_text()
+    assert "ours_full" in table and "| 1 | `" in table and "| 20 | `" in table
+
+
+def test_failed_row_is_shown_and_other_gpu_counts_are_kept(tmp_path):
+    path = tmp_path / "e2e.json"
+    ep2 = {"name": "stock", "gpus": 2, "seq": 64, "micro_batch": 2, "step_ms": 1.0, "tokens_per_sec": 1.0,
+           "tflops": 1.0, "mfu": 0.1, "peak_gb": 1.0}
+    failed = {"name": "stock", "gpus": 1, "seq": 64, "micro_batch": 2, "step_ms": None, "tokens_per_sec": None,
+              "tflops": None, "mfu": None, "peak_gb": None, "error": "OutOfMemoryError: CUDA out of memory"}
+    write_json(str(path), {"rows": [ep2], "date": "old"})
+    write_json(str(path), {"rows": [failed], "date": "new"})
+    merged = json.loads(path.read_text())
+    assert merged["date"] == "new" and [r["gpus"] for r in merged["rows"]] == [2, 1]
+    write_json(str(path), {"rows": [failed], "date": "newer"})  # same GPU count: replaced, not appended
+    assert [r["gpus"] for r in json.loads(path.read_text())["rows"]] == [2, 1]
+    assert "failed: OutOfMemoryError" in format_table([failed])

@@ -1,0 +1,352 @@
+"""End-to-end training throughput: stock Megatron-Core against our model (issue 8).
+
+Times the full training step (zero grads, forward + backward of one microbatch through
+Megatron's schedule, Megatron AdamW step, and our router-bias update where a balancer has one)
+of each variant, median over ``--steps`` (>= 10 on the GPU) after ``--warmup``, and reports
+tokens/s, model TFLOP/s per GPU, MFU against the bf16 matmul peak measured in the same run
+(8192^3, median) and peak memory. Dimensions (GPU): 8 layers, hidden 2048, 16 heads (head dim
+128), 64 experts, top-8, expert FFN 1024 (SwiGLU), vocabulary 32768, micro-batch 2, bf16.
+
+Variants (``--variants``, default all):
+
+* ``stock``: Megatron-Core's ``GPTModel`` from ``get_gpt_layer_local_spec`` (RMSNorm,
+  ``SequentialMLP`` experts, ``TopKRouter`` with aux loss 1e-2, all-to-all dispatcher, RoPE),
+  core attention ``DotProductAttention`` (``--stock-attention sdpa``: ours, SDPA), sequence 4096;
+* ``ours_base``: our model, full attention on every layer, our MoE layer, plain top-k;
+* ``ours_full``: KDA 3:1 (``KKKA``), quantile balancing in both modes (``qb_both``, capacity
+  factor 1.25), Block AttnRes (N = 8);
+* ``ours_base_16k`` / ``ours_full_16k``: the same at sequence 16384, micro-batch
+  ``--long-micro-batch`` (default 1: at 2 the static ~62 GB of weights, grads and AdamW state plus
+  4x the 4k activations would not fit in one H200's 139 GB).
+
+Model FLOPs per token come from ``megatron_ext/flops.py`` for every row (the stock row is counted
+with ``ours_base``'s config: same layers, same formula); docs/e2e.md writes the formula out.
+Each variant builds its model after a fresh Megatron parallel state and frees everything after
+(model, optimizer, parallel state, CUDA cache) so each peak is its own; a failing variant is
+recorded with its error and the others still run.
+
+    python tools/bench_e2e.py                                  # one GPU -> docs/bench/e2e-h200.json
+    torchrun --nproc-per-node 2 tools/bench_e2e.py             # EP2 rows (gpus: 2), merged into it
+    python tools/bench_e2e.py --profile ours_full              # top-20 kernels -> docs/profile-ours_full.md
+    python tools/bench_e2e.py --smoke --out /tmp/e2e.json      # CPU, tiny, fp32, gloo: code path only
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tools import bench_common  # noqa: E402
+
+VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
+DEFAULT_OUT = "docs/bench/e2e-h200.json"
+GPU_SIZES = dict(
+    model=dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=64,
+               moe_router_topk=8, moe_ffn_hidden_size=1024),
+    vocab=32768, seq=4096, long_seq=16384, micro_batch=2, long_micro_batch=1, attn_res_blocks=8,
+    steps=10, warmup=3, matmul=8192)
+SMOKE_SIZES = dict(
+    model=dict(num_layers=4, hidden_size=64, num_attention_heads=4, num_moe_experts=8,
+               moe_router_topk=2, moe_ffn_hidden_size=32),
+    vocab=256, seq=64, long_seq=128, micro_batch=2, long_micro_batch=1, attn_res_blocks=4,
+    steps=2, warmup=1, matmul=256)
+CAPACITY_FACTOR = 1.25
+STOCK_AUX_LOSS = 1e-2
+PROFILE_ACTIVE_STEPS = 3
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ", ".join(VARIANTS))
+    p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny sizes, gloo: checks the code path")
+    p.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}; none for --smoke)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; smoke 2)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; smoke 1)")
+    p.add_argument("--long-micro-batch", type=int, default=None, help="micro-batch of the 16k rows (default 1)")
+    p.add_argument("--stock-attention", choices=("dpa", "sdpa"), default="dpa",
+                   help="stock core attention: Megatron's DotProductAttention or our SDPA module")
+    p.add_argument("--profile", default=None, metavar="NAME", choices=VARIANTS,
+                   help="instead of timing: profile a few steps of NAME, write its top-20 kernels as markdown")
+    p.add_argument("--profile-out", default=None, help="markdown path (default docs/profile-NAME.md)")
+    p.add_argument("--profile-trace", default=None, help="also export the Chrome trace here")
+    args = p.parse_args(argv)
+    sizes = SMOKE_SIZES if args.smoke else GPU_SIZES
+    args.sizes = {**sizes, "long_micro_batch": args.long_micro_batch or sizes["long_micro_batch"]}
+    args.steps = args.steps or sizes["steps"]
+    args.warmup = sizes["warmup"] if args.warmup is None else args.warmup
+    if not args.smoke and args.steps < 10:
+        p.error("--steps must be >= 10 for GPU timings")
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = sorted(set(args.variants) - set(VARIANTS))
+    if bad:
+        p.error(f"unknown variants {bad}; known: {', '.join(VARIANTS)}")
+    if args.out is None and not args.smoke and args.profile is None:
+        args.out = DEFAULT_OUT
+    return args
+
+
+# --- Models --------------------------------------------------------------------------------------
+def variant_shape(name: str, sizes: dict) -> tuple[int, int]:
+    """(sequence length, micro-batch) of a variant."""
+    if name.endswith("_16k"):
+        return sizes["long_seq"], sizes["long_micro_batch"]
+    return sizes["seq"], sizes["micro_batch"]
+
+
+def _dtype(cuda: bool) -> torch.dtype:
+    return torch.bfloat16 if cuda else torch.float32  # bf16 weights as launch/train.py builds them
+
+
+def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool):
+    """Our ``HybridConfig``: plain (full attention, top-k) or with KDA 3:1, qb_both and AttnRes."""
+    from megatron_ext.config import HybridConfig
+
+    model = sizes["model"]
+    extra = dict(
+        attention_pattern="KKKA", kda_head_dim=model["hidden_size"] // model["num_attention_heads"],
+        moe_balancer="qb_both", moe_expert_capacity_factor=CAPACITY_FACTOR,
+        attn_res=True, attn_res_num_blocks=sizes["attn_res_blocks"],
+    ) if techniques else dict(attention_pattern="A", moe_balancer="none")
+    return HybridConfig(
+        **model, num_query_groups=model["num_attention_heads"], vocab_size=sizes["vocab"],
+        max_sequence_length=seq, expert_model_parallel_size=dist.get_world_size(),
+        bf16=cuda, params_dtype=_dtype(cuda), pipeline_dtype=_dtype(cuda),
+        use_cpu_initialization=not cuda, **extra)
+
+
+def stock_config(sizes: dict, cuda: bool):
+    """Megatron's ``TransformerConfig`` with the same dimensions; no Apex/TE fusions exist here."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model = sizes["model"]
+    return TransformerConfig(
+        **model, num_query_groups=model["num_attention_heads"], normalization="RMSNorm",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=STOCK_AUX_LOSS,
+        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+        expert_model_parallel_size=dist.get_world_size(), expert_tensor_parallel_size=1,
+        bf16=cuda, params_dtype=_dtype(cuda), pipeline_dtype=_dtype(cuda),
+        use_cpu_initialization=not cuda, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
+        bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
+        apply_rope_fusion=False)
+
+
+def build_stock_chunks(config, sizes: dict, seq: int, attention: str) -> list:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    normalization="RMSNorm")
+    if attention == "sdpa":
+        from megatron_ext.layers.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=sizes["vocab"],
+                     max_sequence_length=seq, share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope")
+    return [model.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else model]
+
+
+def variant_setup(name: str, args, cuda: bool):
+    """(build_chunks, config, after_step, flops_config, seq, micro_batch) of one variant."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.moe.router import update_expert_biases
+    from megatron_ext.parallel import build_model_chunks
+
+    sizes = args.sizes
+    seq, micro_batch = variant_shape(name, sizes)
+    base = ours_config(sizes, seq, techniques=False, cuda=cuda)
+    if name == "stock":
+        config = stock_config(sizes, cuda)
+        return (lambda: build_stock_chunks(config, sizes, seq, args.stock_attention),
+                config, None, base, seq, micro_batch)
+    config = ours_config(sizes, seq, techniques=name.startswith("ours_full"), cuda=cuda)
+    bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
+
+    def after_step(chunks):  # once per optimizer step, as launch/train.py does
+        update_expert_biases(chunks, bias_group)
+
+    return lambda: build_model_chunks(config), config, after_step, config, seq, micro_batch
+
+
+# --- Measurements --------------------------------------------------------------------------------
+def bf16_matmul_peak_tflops(n: int, cuda: bool) -> float:
+    """Median TFLOP/s of an ``n x n @ n x n`` matmul (bf16 on the GPU, fp32 on the CPU)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    ms = bench_common.median_ms(lambda: torch.matmul(a, b), warmup=5, iters=20, device=device)
+    return 2 * n**3 / (ms / 1e3) / 1e12
+
+
+def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
+    """One row: a fresh parallel state, the timed step, everything freed after."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.flops import model_flops_per_token
+
+    world = dist.get_world_size()
+    seq, micro_batch = variant_shape(name, args.sizes)
+    row = {"name": name, "gpus": world, "seq": seq, "micro_batch": micro_batch}
+    if name == "stock":
+        row["attention"] = "DotProductAttention" if args.stock_attention == "dpa" else "SDPA"
+    try:
+        bench_common.init_expert_parallel(seed=1234)
+        build, config, after_step, flops_cfg, seq, micro_batch = variant_setup(name, args, cuda)
+        steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
+        timing = bench_common.time_training_step(build, config, args.sizes["vocab"], seq, micro_batch,
+                                                 warmup, steps, after_step=after_step, profiler=profiler)
+        flops_per_token = model_flops_per_token(flops_cfg, seq)
+        tokens_per_sec = world * micro_batch * seq / (timing["step_ms"] / 1e3)
+        tflops = flops_per_token * tokens_per_sec / world / 1e12  # per GPU
+        row.update(step_ms=timing["step_ms"], tokens_per_sec=tokens_per_sec, tflops=tflops,
+                   mfu=tflops / args.peak_tflops, peak_gb=timing["peak_gb"], flops_per_token=flops_per_token)
+    except Exception as exc:  # keep the other variants' rows; say why this one is missing
+        if dist.get_rank() == 0:
+            traceback.print_exc()
+        row.update(step_ms=None, tokens_per_sec=None, tflops=None, mfu=None, peak_gb=None,
+                   error=f"{type(exc).__name__}: {exc}"[:400])
+    finally:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        get_moe_metrics_tracker().clear()  # Megatron's global per-layer aux-loss values
+        ps.destroy_model_parallel()
+        bench_common.free_device_memory(torch.device("cuda") if cuda else torch.device("cpu"))
+    return row
+
+
+def profile_variant(name: str, args, cuda: bool) -> str:
+    """Markdown: the top-20 kernels (CUDA; CPU ops under --smoke) of a few steps of ``name``."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities,
+                 schedule=schedule(wait=args.warmup, warmup=1, active=PROFILE_ACTIVE_STEPS, repeat=1)) as prof:
+        row = run_variant(name, args, cuda, profiler=prof)
+    if "error" in row:
+        raise RuntimeError(f"profiling {name} failed: {row['error']}")
+    if args.profile_trace:
+        prof.export_chrome_trace(args.profile_trace)
+    return kernel_table(prof, name, cuda, row, args.warmup + 1)
+
+
+def kernel_table(prof, name: str, cuda: bool, row: dict, skipped_steps: int, top: int = 20) -> str:
+    from torch.autograd import DeviceType
+
+    events = list(prof.key_averages())
+    if cuda:
+        events = [e for e in events if e.device_type == DeviceType.CUDA] or events
+        key, unit = "self_device_time_total", "CUDA"
+    else:
+        key, unit = "self_cpu_time_total", "CPU"
+    events = [e for e in events if not e.key.startswith("ProfilerStep")]  # the profiler's own step ranges
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in events) or 1.0
+    device = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
+    lines = [f"# Profile: `{name}` ({device}, {datetime.date.today().isoformat()})", "",
+             f"`tools/bench_e2e.py --profile {name}`: {PROFILE_ACTIVE_STEPS} training steps after "
+             f"{skipped_steps} unrecorded warm-up steps; sequence {row['seq']}, micro-batch {row['micro_batch']}, "
+             f"{row['gpus']} GPU(s). Top {top} by {unit} time; ms per step is the total over the "
+             f"profiled steps / {PROFILE_ACTIVE_STEPS}; % is of all {unit} time.", "",
+             f"| # | kernel | calls | {unit} ms / step | % |", "| --- | --- | --- | --- | --- |"]
+    for i, e in enumerate(events[:top], 1):
+        us = getattr(e, key)
+        label = e.key.replace("|", "\\|")
+        label = label if len(label) <= 90 else label[:87] + "..."
+        lines.append(f"| {i} | `{label}` | {e.count} | {us / 1e3 / PROFILE_ACTIVE_STEPS:.3f} | "
+                     f"{100 * us / total:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- Output --------------------------------------------------------------------------------------
+def format_table(rows) -> str:
+    header = ("name", "gpus", "seq", "mb", "step ms", "tokens/s", "TFLOP/s", "MFU", "peak GB")
+    lines = [" | ".join(f"{h:>13}" for h in header)]
+    for r in rows:
+        if r.get("error"):
+            cells = [r["name"], r["gpus"], r["seq"], r["micro_batch"], "failed: " + r["error"][:60]]
+        else:
+            cells = [r["name"], r["gpus"], r["seq"], r["micro_batch"], f"{r['step_ms']:.1f}",
+                     f"{r['tokens_per_sec']:,.0f}", f"{r['tflops']:.1f}", f"{r['mfu']:.1%}", f"{r['peak_gb']:.2f}"]
+        lines.append(" | ".join(f"{c!s:>13}" for c in cells))
+    return "\n".join(lines)
+
+
+def write_json(path: str, result: dict) -> None:
+    """Write ``result``; rows of another GPU count already in ``path`` are kept (1-GPU + EP2 in one file)."""
+    out = Path(path)
+    if out.exists():
+        try:
+            old = json.loads(out.read_text())
+            kept = [r for r in old.get("rows", []) if r.get("gpus") not in {r2["gpus"] for r2 in result["rows"]}]
+            result = {**result, "rows": kept + result["rows"]}
+        except (json.JSONDecodeError, AttributeError, KeyError):
+            pass  # an unreadable old file is replaced
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def run(args, log=print) -> dict | None:
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("bench_e2e.py needs a CUDA GPU (use --smoke on the CPU)")
+    rank, world = bench_common.init_process_group(cuda)
+    args.peak_tflops = bf16_matmul_peak_tflops(args.sizes["matmul"], cuda)
+    if args.profile:
+        table = profile_variant(args.profile, args, cuda)
+        path = Path(args.profile_out or f"docs/profile-{args.profile}.md")
+        if rank == 0:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(table)
+            log(table + f"\n> wrote {path}")
+        return None
+    rows = []
+    for name in args.variants:
+        rows.append(run_variant(name, args, cuda))
+        if name == "stock" and "OutOfMemoryError" in rows[-1].get("error", "") and args.stock_attention == "dpa":
+            # DotProductAttention materialises the scores; SDPA is the allowed fallback (the row says so).
+            args.stock_attention = "sdpa"
+            rows[-1] = {**run_variant(name, args, cuda), "dpa_error": rows[-1]["error"]}
+        if rank == 0:
+            log(f"> {name}: " + (rows[-1].get("error") or f"{rows[-1]['step_ms']:.1f} ms/step"))
+    import megatron.core
+
+    result = {"rows": rows, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "date": datetime.date.today().isoformat(), "peak_tflops_measured": args.peak_tflops,
+              "dtype": "bf16" if cuda else "fp32", "steps": args.steps, "warmup": args.warmup,
+              "model": args.sizes["model"], "vocab": args.sizes["vocab"],
+              "capacity_factor": CAPACITY_FACTOR, "stock_aux_loss_coeff": STOCK_AUX_LOSS,
+              "flops": "megatron_ext/flops.py, training = 3 x forward; tflops is per GPU; see docs/e2e.md",
+              "torch": torch.__version__, "megatron_core": megatron.core.__version__, "smoke": args.smoke}
+    if rank == 0:
+        if args.out:
+            write_json(args.out, result)
+            log(f"> wrote {args.out}")
+        log(f"bf16 matmul peak {args.peak_tflops:.1f} TFLOP/s ({result['device']})")
+        log(format_table(rows))
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        return run(args, log=lambda line: print(line, flush=True))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
