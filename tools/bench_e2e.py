@@ -16,7 +16,7 @@ Variants (``--variants``, default all):
 * ``ours_full``: KDA 3:1 (``KKKA``), quantile balancing in both modes (``qb_both``, capacity
   factor 1.25), Block AttnRes (N = 8);
 * ``ours_base_16k`` / ``ours_full_16k``: the same at sequence 16384, micro-batch
-  ``--long-micro-batch`` (default 1: at 2 the static ~62 GB of weights, grads and AdamW state plus
+  ``--long-micro-batch`` (default 1: at 2 the static ~63 GB of weights, grads and AdamW state plus
   4x the 4k activations would not fit in one H200's 139 GB).
 
 Model FLOPs per token come from ``megatron_ext/flops.py`` for every row (the stock row is counted
