@@ -44,22 +44,15 @@ def expert_capacity(num_tokens_global: int, k: int, num_experts: int, capacity_f
     return math.ceil(round(capacity_factor * num_tokens_global * k / num_experts, 9))
 
 
+# Candidates listed per token slot: with 2k, a token exhausts its list (and pays a full-row
+# top-k) only when k of its 2k best experts filled up before it got them.
+_CANDIDATES_PER_SLOT = 2
+
+
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(tensor, group=group)
     return tensor
-
-
-def _propose(biased, experts, free, room, k):
-    """Each row's best ``free`` experts by biased score among those with room it does not
-    already hold. Returns proposals ``[M, k]`` and their validity."""
-    num_experts = biased.shape[1]
-    held = torch.zeros(biased.shape[0], num_experts + 1, dtype=torch.bool, device=biased.device)
-    held.scatter_(1, torch.where(experts >= 0, experts, num_experts), True)  # -1 -> spare column
-    unavailable = held[:, :num_experts] | (room <= 0).unsqueeze(0)
-    values, proposals = biased.masked_fill(unavailable, -math.inf).topk(k, dim=1)
-    slot = torch.arange(k, device=biased.device)
-    return proposals, (slot < free.unsqueeze(1)) & (values > -math.inf)
 
 
 def _boundary_admission(proposals, valid, bins, boundary, admit_in_boundary, group):
@@ -97,11 +90,13 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     histogram range (sigmoid/softmax scores lie in [0, 1]); scores outside it fall in the edge
     bins, which coarsens who wins a contested expert but never breaks the capacity.
     ``max_rounds`` caps the overflow rounds (None: until nothing can move; at most E + 1).
-    Slots are ordered by biased score, best first, dropped (-1) last.
+    Slots are ordered by biased score, best first, dropped (-1) last. ``Routing.rounds`` says
+    how many rounds ran.
 
     Collectives per call: one all-reduce of ``E * num_bins`` int64 (+1) per round, plus one of
-    ``world * E`` int64 in rounds where some expert is over-subscribed; a few host syncs per
-    round (the loop and the refused-token subset depend on global counts).
+    ``world * E`` int64 in rounds where some expert is over-subscribed. Host syncs per round:
+    one read of three global totals (the loop exit), one in over-subscribed rounds (the
+    boundary-bin proposals), one to gather the refused tokens for the next round.
     """
     check_scores(scores, k, bias)
     if not isinstance(num_bins, int) or num_bins < 1:
@@ -113,48 +108,103 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
         raise ValueError(f"max_rounds must be >= 1 or None, got {max_rounds}")
     num_tokens, num_experts = scores.shape
     biased = biased_scores(scores, bias)
+    # Every token's best experts in preference order, computed once: a round scans these
+    # [N, c] lists instead of masking and re-sorting [N, E] rows. A token that runs out of
+    # listed experts with room falls back to its full row (exactly the same proposals).
+    width = min(num_experts, _CANDIDATES_PER_SLOT * k)
+    candidates = biased.topk(width, dim=1).indices
+    candidate_bins = histogram_bins(scores.gather(1, candidates), lo, hi, num_bins)
+    taken = torch.zeros_like(candidates, dtype=torch.bool)  # candidate already held
+    experts = torch.full((num_tokens, k), -1, dtype=torch.int64, device=scores.device)
     # Round 1 is the plain top-k of every token; later rounds only revisit refused tokens.
-    top_k = biased.topk(k, dim=1).indices
-    experts = torch.full_like(top_k, -1)
-    rows, room, round_index = None, None, 0
+    rows, fallback, room, capacity, round_index = None, None, None, 0, 0
     while max_rounds is None or round_index < max_rounds:
         if rows is None:
-            proposals, valid, held = top_k, torch.ones_like(top_k, dtype=torch.bool), experts
-            proposal_scores = scores.gather(1, top_k)
+            proposals, bins = candidates[:, :k], candidate_bins[:, :k]
+            valid, held = torch.ones_like(proposals, dtype=torch.bool), experts
         else:
-            held = experts[rows]
-            proposals, valid = _propose(biased[rows], held, (held < 0).sum(1), room, k)
-            proposal_scores = scores[rows.unsqueeze(1), proposals]
-        bins = histogram_bins(proposal_scores, lo, hi, num_bins)
+            held, listed = experts[rows], taken[rows]
+            proposals, valid, bins = _propose_from_lists(candidates[rows], candidate_bins[rows], listed,
+                                                         (held < 0).sum(1), room)
+            if fallback is not None:
+                _propose_from_rows(proposals, valid, bins, fallback, scores[rows[fallback]],
+                                   biased[rows[fallback]], held[fallback], room, (lo, hi, num_bins))
         hist = histogram_counts(proposals, bins, num_experts, num_bins, valid)
         # The token count rides along (fixed shape); round 1 uses it to fix the capacity.
         packed = _all_reduce(torch.cat([hist.reshape(-1), hist.new_tensor([num_tokens])]), group)
         hist = packed[:-1].view(num_experts, num_bins)
-        if room is None:
-            capacity = expert_capacity(int(packed[-1]), k, num_experts, capacity_factor)
-            room = torch.full((num_experts,), capacity, dtype=torch.int64, device=scores.device)
         demand = hist.sum(dim=1)
-        refused = (demand - room).clamp(min=0)
-        total_demand, total_refused = torch.stack([demand.sum(), refused.sum()]).tolist()
+        # The one read-back every round needs (round 1: room is unknown yet, read max demand).
+        excess = demand - (room if room is not None else 0)
+        num_global, total_demand, max_excess = torch.stack([packed[-1], demand.sum(), excess.max()]).tolist()
+        if room is None:
+            capacity = expert_capacity(num_global, k, num_experts, capacity_factor)
+            room = torch.full((num_experts,), capacity, dtype=torch.int64, device=scores.device)
+            max_excess -= capacity
         if total_demand == 0:
             break
         accepted = valid
-        if total_refused > 0:
+        if max_excess > 0:
+            refused = (demand - room).clamp(min=0)
             accepted = valid & _accept(proposals, valid, bins, hist, refused, group)
         room = room - demand.minimum(room)
         new_held = _fill_free_slots(held, proposals, accepted)
         if rows is None:
             experts = new_held
+            taken[:, :k] = accepted
         else:
+            new_listed = listed | accepted
+            if fallback is not None:  # proposals off the lists: re-derive from the experts held
+                new_listed[fallback] = (candidates[rows[fallback]].unsqueeze(2)
+                                        == new_held[fallback].unsqueeze(1)).any(dim=2)
             experts[rows] = new_held
+            taken[rows] = new_listed
         round_index += 1
-        if total_refused == 0:
+        if max_excess <= 0 or round_index == max_rounds:
             break
         # Only tokens just refused can gain anything: the others got all they asked for, and
         # room never grows back.
-        refused_rows = (valid & ~accepted).any(dim=1)
-        rows = refused_rows.nonzero().squeeze(1) if rows is None else rows[refused_rows]
-    return _finish(scores, biased, experts, top_k, renormalize, global_load=capacity - room)
+        refused_rows = (valid & ~accepted).any(dim=1).nonzero().squeeze(1)
+        rows = refused_rows if rows is None else rows[refused_rows]
+        fallback = _exhausted_lists(candidates[rows], taken[rows], experts[rows], room, num_experts)
+    return _finish(scores, biased, experts, candidates[:, :k], renormalize,
+                   global_load=capacity - room, rounds=round_index)
+
+
+def _propose_from_lists(candidates, candidate_bins, taken, free, room):
+    """Each row's first ``free`` listed experts that have room and are not held: proposals
+    ``[M, c]`` (expert ids), their validity and score bins."""
+    available = ~taken & (room[candidates] > 0)
+    valid = available & (available.cumsum(dim=1) <= free.unsqueeze(1))
+    return candidates, valid, candidate_bins
+
+
+def _exhausted_lists(candidates, taken, held, room, num_experts):
+    """Positions (into ``candidates``' rows) of tokens whose list holds fewer experts with room
+    than they have free slots, when experts exist beyond the list; None when there are none
+    (one host read: the common case skips the full-row path)."""
+    if candidates.shape[1] == num_experts:
+        return None
+    short = (~taken & (room[candidates] > 0)).sum(dim=1) < (held < 0).sum(dim=1)
+    exhausted = short.nonzero().squeeze(1)
+    return exhausted if exhausted.numel() else None
+
+
+def _propose_from_rows(proposals, valid, bins, positions, scores, biased, held, room, binning):
+    """Overwrite ``positions`` of the list proposals with each row's best ``free`` experts by
+    biased score among all experts with room it does not hold ([F, E] work for F rows)."""
+    num_experts, k = biased.shape[1], held.shape[1]
+    mask = torch.zeros(biased.shape[0], num_experts + 1, dtype=torch.bool, device=biased.device)
+    mask.scatter_(1, torch.where(held >= 0, held, num_experts), True)  # -1 -> spare column
+    unavailable = mask[:, :num_experts] | (room <= 0).unsqueeze(0)
+    values, chosen = biased.masked_fill(unavailable, -math.inf).topk(k, dim=1)
+    slot = torch.arange(k, device=biased.device)
+    chosen_valid = (slot < (held < 0).sum(1, keepdim=True)) & (values > -math.inf)
+    proposals[positions] = -1
+    proposals[positions, :k] = chosen
+    valid[positions] = False
+    valid[positions, :k] = chosen_valid
+    bins[positions, :k] = histogram_bins(scores.gather(1, chosen), *binning)
 
 
 def _accept(proposals, valid, bins, hist, refused, group):
@@ -181,7 +231,7 @@ def _fill_free_slots(held, proposals, accepted):
     return widened[:, :k]
 
 
-def _finish(scores, biased, experts, top_k, renormalize, global_load) -> Routing:
+def _finish(scores, biased, experts, top_k, renormalize, global_load, rounds) -> Routing:
     kept = experts >= 0
     order = biased.gather(1, experts.clamp(min=0)).masked_fill(~kept, -math.inf).argsort(dim=1, descending=True, stable=True)
     experts = experts.gather(1, order)
@@ -193,4 +243,5 @@ def _finish(scores, biased, experts, top_k, renormalize, global_load) -> Routing
         dropped=(~kept).sum(),
         rerouted=(kept & ~in_top_k).sum(),
         global_load=global_load,
+        rounds=rounds,
     )

@@ -30,7 +30,10 @@ def histogram_counts(rows: torch.Tensor, bins: torch.Tensor, num_rows: int, num_
     flat = bins + rows * num_bins
     if valid is not None:
         flat = torch.where(valid, flat, num_rows * num_bins)  # one spare bin swallows the invalid
-    counts = torch.bincount(flat.reshape(-1), minlength=num_rows * num_bins + 1)
+    flat = flat.reshape(-1)
+    # index_add_ rather than bincount: CUDA bincount reads the max back to the host (a sync).
+    counts = torch.zeros(num_rows * num_bins + 1, dtype=torch.int64, device=bins.device)
+    counts.index_add_(0, flat, torch.ones((), dtype=torch.int64, device=bins.device).expand(flat.shape))
     return counts[: num_rows * num_bins].view(num_rows, num_bins)
 
 

@@ -25,6 +25,7 @@ class Routing:
               plain top-k (by biased score).
     global_load: ``[E]`` int64 kept pairs per expert summed over the routing group, where the
               routing function got it for free (capacity mode); None otherwise.
+    rounds:   proposal rounds run (capacity mode; the cost driver); None otherwise.
     """
 
     experts: torch.Tensor
@@ -32,6 +33,7 @@ class Routing:
     dropped: torch.Tensor
     rerouted: torch.Tensor
     global_load: torch.Tensor | None = None
+    rounds: int | None = None
 
     def __post_init__(self):
         if self.experts.dtype != torch.int64 or self.experts.dim() != 2:
