@@ -6,16 +6,19 @@ restart at every sequence start; the host computes each chunk's first token and 
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 
 from kernels.kda.gate import GATE_GIVEN, gate_cumsum_kernel
 from kernels.kda.intra import intra_fwd_kernel
-from kernels.kda.intra_bwd import intra_bwd_kernel
+from kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
+from kernels.kda.intra_bwd import intra_bwd_dqkg_kernel, intra_bwd_dv_kernel
 from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
 
 CHUNK = 64
 BV = 64
+BKT = 64  # K tile of intra_bwd_dqkg_kernel
+DV_WARPS, DQKG_WARPS = 8, 8
+L2_ROWS = 32  # rows per program of the L2-norm backward
 
 
 class ChunkMeta:
@@ -37,15 +40,25 @@ def _block_k(K):
     return max(16, triton.next_power_of_2(K))
 
 
-def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta):
-    """Chunk-local cumsum of the (optionally activated) gate, fp32 [T, H, K]."""
+def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm):
+    """Chunk-local cumsum of the (optionally activated) gate, fp32 [T, H, K], and q, k (L2-normalised when
+    l2norm: fused into the same kernel)."""
     T, H, K = f.shape
     G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
+    qn, kn = (torch.empty_like(q), torch.empty_like(k)) if l2norm else (q, k)
     gate_cumsum_kernel[(meta.num_chunks, H)](
-        f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G,
-        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), H=H, K=K, BK=_block_k(K), GATE=gate,
-        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None)
-    return G
+        f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn,
+        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, H=H, K=K, BK=_block_k(K), GATE=gate,
+        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm)
+    return G, qn, kn
+
+
+def l2norm_bwd(x, dxn):
+    """Gradient w.r.t. x of x / max(|x|, eps) per row, in x's dtype."""
+    rows, K = x.numel() // x.shape[-1], x.shape[-1]
+    dx = torch.empty_like(x)
+    l2norm_bwd_kernel[(triton.cdiv(rows, L2_ROWS),)](x, dxn, dx, rows, L2_EPS, K=K, BK=_block_k(K), BR=L2_ROWS)
+    return dx
 
 
 def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
@@ -72,8 +85,10 @@ def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
     return o, ht, (Mqk, Ainv, W, U, hbuf)
 
 
-def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lower_bound, gate, safe_gate, meta):
-    """Gradients of kda_fwd; dg is w.r.t. the raw gate input when gate != GATE_GIVEN."""
+def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lower_bound, gate, safe_gate, meta,
+            dqk_dtype):
+    """Gradients of kda_fwd; dg is w.r.t. the raw gate input when gate != GATE_GIVEN (in f's dtype, like dv in
+    v's). dq and dk come out in dqk_dtype (fp32 when an L2-norm backward follows)."""
     Mqk, Ainv, W, U, hbuf = saved
     T, H, K = q.shape
     V = v.shape[-1]
@@ -87,23 +102,31 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
         meta.seq_chunks, meta.chunk_start, meta.chunk_len, scale, HAS_DHT=dht is not None,
         HAS_H0=dh0 is not None, **opts)
     f32 = dict(dtype=torch.float32, device=dev)
-    dq, dk, dg = (torch.empty(T, H, K, **f32) for _ in range(3))
-    dv = torch.empty(T, H, V, **f32)
-    dbeta = torch.empty(T, H, **f32)
-    dA_terms = torch.empty(T, H, K, **f32) if gate != GATE_GIVEN and A_log is not None else dg
-    scratch = torch.empty(2, T, H, CHUNK, **f32)
-    intra_bwd_kernel[(meta.num_chunks, H)](
-        q, k, v, beta, G, hbuf, dhbuf, U, dU, do, Ainv, f, A_log if A_log is not None else f,
-        dt_bias if dt_bias is not None else f, scratch[0], scratch[1], dq, dk, dv, dbeta, dg, dA_terms,
-        meta.chunk_start, meta.chunk_len, scale, float(lower_bound or 0.0), SAFE_GATE=safe_gate, GATE=gate,
-        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, **opts)
-    dA_log = dA_terms.sum((0, 2)) if dA_terms is not dg else None
-    ddt_bias = dg.sum(0).reshape(H * K) if gate != GATE_GIVEN and dt_bias is not None else None
+    block_kt = min(BKT, opts["BK"])
+    num_kt = triton.cdiv(K, block_kt)
+    scratch = torch.empty(2, T, H, CHUNK, **f32)  # dMqk, dL
+    dv = torch.empty(T, H, V, dtype=v.dtype, device=dev)
+    dbeta_parts = torch.empty(1 + num_kt, T, H, **f32)  # [0]: through v; [1 + j]: through K tile j
+    intra_bwd_dv_kernel[(meta.num_chunks, H)](
+        k, v, beta, G, hbuf, U, dU, do, Ainv, scratch[0], scratch[1], dv, dbeta_parts, meta.chunk_start,
+        meta.chunk_len, scale, num_warps=DV_WARPS, **opts)
+    dq = torch.empty(T, H, K, dtype=dqk_dtype, device=dev)
+    dk = torch.empty(T, H, K, dtype=dqk_dtype, device=dev)
+    dg = torch.empty(T, H, K, dtype=f.dtype, device=dev)
+    has_a = gate != GATE_GIVEN and A_log is not None
+    has_bias = gate != GATE_GIVEN and dt_bias is not None
+    dA_parts = torch.empty(meta.num_chunks, H, num_kt, **f32) if has_a else dg
+    ddt_parts = torch.empty(meta.num_chunks, H, K, **f32) if has_bias else dg
+    intra_bwd_dqkg_kernel[(num_kt, meta.num_chunks, H)](
+        q, k, beta, G, hbuf, dhbuf, U, dU, do, Ainv, scratch[0], scratch[1], f, A_log if has_a else f,
+        dt_bias if has_bias else f, dq, dk, dg, dbeta_parts, dA_parts, ddt_parts, meta.chunk_start,
+        meta.chunk_len, scale, float(lower_bound or 0.0), H, T * H, K=K, V=V, BKT=block_kt, BV=BV,
+        SAFE_GATE=safe_gate, GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, DOT_BF16=opts["DOT_BF16"],
+        num_warps=DQKG_WARPS)
+    dbeta = dbeta_parts.sum(0).to(beta.dtype)
+    dA_log = dA_parts.sum((0, 2)) if has_a else None
+    ddt_bias = ddt_parts.sum(0).reshape(H * K) if has_bias else None
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
-
-
-def _l2norm(x):
-    return F.normalize(x.float(), dim=-1, eps=1e-6).to(x.dtype)
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -111,8 +134,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                 use_qk_l2norm, gate, lower_bound, safe_gate, cu_seqlens_list):
         meta = ChunkMeta(cu_seqlens_list, q.device)
-        qn, kn = (_l2norm(q), _l2norm(k)) if use_qk_l2norm else (q, k)
-        G = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta)
+        G, qn, kn = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm)
         o, ht, saved = kda_fwd(qn, kn, v, G, beta, scale, initial_state, output_final_state, safe_gate, meta)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *saved)
         ctx.args = (scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta)
@@ -122,14 +144,12 @@ class ChunkKDAFunction(torch.autograd.Function):
     def backward(ctx, do, dht):
         q, k, v, g, beta, A_log, dt_bias, h0, *saved = ctx.saved_tensors
         scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta = ctx.args
-        qn, kn = (_l2norm(q), _l2norm(k)) if use_qk_l2norm else (q, k)
-        G = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta)
+        # recompute G and the normalised q, k (one fused pass) rather than keep them alive since the forward
+        G, qn, kn = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm)
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kda_bwd(
             qn, kn, v, G, beta, scale, h0, dht, do.contiguous(), saved, g, A_log, dt_bias, lower_bound, gate,
-            safe_gate, meta)
-        if use_qk_l2norm:  # backward of x / |x| in fp32
-            with torch.enable_grad():
-                xs = [x.detach().float().requires_grad_() for x in (q, k)]
-                dq, dk = torch.autograd.grad([F.normalize(x, dim=-1, eps=1e-6) for x in xs], xs, [dq, dk])
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype),
+            safe_gate, meta, torch.float32 if use_qk_l2norm else q.dtype)
+        if use_qk_l2norm:
+            dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
+        return (dq, dk, dv, dg, dbeta,
                 dA_log, ddt_bias, None, dh0, None, None, None, None, None, None)

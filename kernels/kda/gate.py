@@ -7,6 +7,8 @@ GATE codes (constexpr): 0 = g is already the log-decay, 1 = softplus gate
 import triton
 import triton.language as tl
 
+from kernels.kda.l2norm import l2_normalize_rows
+
 GATE_GIVEN, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 
 
@@ -37,10 +39,11 @@ def gate_grads(f, a, bias, lower_bound, GATE: tl.constexpr):
 
 
 @triton.jit
-def gate_cumsum_kernel(f, A_log, dt_bias, G, chunk_start, chunk_len, lower_bound,
+def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, chunk_start, chunk_len, lower_bound, eps,
                        H, K: tl.constexpr, BK: tl.constexpr,
-                       GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """One program per (chunk, head): G = cumsum over the chunk of gate(f), in fp32."""
+                       GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    """One program per (chunk, head): G = cumsum over the chunk of gate(f), in fp32; with NORM also the L2
+    normalised q and k (fp32 math, stored in their dtype), which read the same [64, K] tiles."""
     c, h = tl.program_id(0), tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     t, d = tl.arange(0, 64), tl.arange(0, BK)
@@ -55,3 +58,8 @@ def gate_cumsum_kernel(f, A_log, dt_bias, G, chunk_start, chunk_len, lower_bound
         bias = tl.load(dt_bias + h * K + d, mask=d < K, other=0.0).to(tl.float32)[None, :]
     g = tl.where(mask, gate_value(x, a, bias, lower_bound, GATE), 0.0)
     tl.store(G + offs, tl.cumsum(g, 0), mask=mask)
+    if NORM:
+        xq = tl.load(q + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(qn + offs, l2_normalize_rows(xq, eps).to(qn.dtype.element_ty), mask=mask)
+        xk = tl.load(k + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(kn + offs, l2_normalize_rows(xk, eps).to(kn.dtype.element_ty), mask=mask)

@@ -1,182 +1,187 @@
-"""Per-chunk backward: everything except the reverse state walk (state.py), one program per (chunk, head).
+"""Per-chunk backward: everything except the reverse state walk (state.py), in two kernels.
 
-Given S (state at the chunk start), dS_next, u, du, dO it forms dw, dkgl, d(q exp G), dMqk, dAinv; then
-    dL = -(Ainv^T dAinv Ainv^T) (strictly lower), with L = diag(beta) Akk,
-and pushes dMqk and dL through the decayed products with the same reference-row factorisation as the
-forward (column side as [64, K] dots, row side per 16-row block). Finally dG is turned into dg by a
-reverse cumsum over the chunk, and, for a gate computed in-kernel, into d(raw gate) and dA_log terms.
-[16, 64] slices of register tiles are not expressible in Triton, so dMqk / dL and the partial
-gradients go through global memory (scratch, L2-resident) between phases, with a CTA barrier.
+`intra_bwd_dv_kernel` (one program per (chunk, head)) contracts over V for the [64, 64] chunk-mixing
+gradients and dv:
+    dMqk = dO u^T,  dAinv = du (beta v - kb S)^T  (kb = beta k exp(G); w S = Ainv kb S folds dw into it),
+    dv = beta Ainv^T du,  dL = -(Ainv^T dAinv Ainv^T) (strictly lower, L = diag(beta) Akk).
+`intra_bwd_dqkg_kernel` (one program per (K tile, chunk, head)) is column-local in K: the state
+contractions dw = -du S^T, dkgl = u dS^T, dqg = dO S^T for its K columns, then dMqk / dL through the decayed
+products (same reference-row factorisation as the forward, as full 64-row dots whose rows or columns are
+masked to one 16-row block), the reverse cumsum dg = sum_{s >= t} dG_s, and the gate derivatives.
+Splitting K keeps each program's accumulators at a few [64, 64] tiles, so nothing spills on sm_90
+(tests/kernels/test_kda_compile.py). Both kernels write per-program partial sums (dbeta over K tiles,
+dA_log and ddt_bias over chunks) that the host adds up: deterministic, no atomics.
+
+Precision: every product that feeds dG uses fp32 operands (tf32x3 on GPU) even for bf16 inputs. dG is a
+sum of terms that cancel (exp(G_t - G_s) is shift-invariant), so bf16 rounding of the operands (dMqk, dL,
+q e^{G-r}, k e^{r-G}, dw) used to leave a large relative error on dg and on the dA_log / ddt_bias sums.
 """
 
 import triton
 import triton.language as tl
 
 from kernels.kda.gate import gate_grads
-from kernels.kda.intra import decay_factors, row_block, to_dot
+from kernels.kda.intra import to_dot
 from kernels.kda.state import load_chunk, state_offsets, store_chunk
 
 
 @triton.jit
-def diag_tile_bwd(q_i, k_i, g_i, b_i, dm_i, dl_i, dq_i, dk_i, dg_i, db_i, k, G, t0, r0, n, h,
-                  H, K: tl.constexpr, BK: tl.constexpr):
-    """Diagonal 16x16 tile position by position (unbounded gate only)."""
-    d, s16, t = tl.arange(0, BK), tl.arange(0, 16), tl.arange(0, 64)
-    rows, kmask = r0 + s16, d < K
-    for s in range(16):
-        col = r0 + s
-        sok = col < n
-        k_s = tl.load(k + (t0 + col) * H * K + h * K + d, mask=kmask & sok, other=0.0).to(tl.float32)
-        g_s = tl.load(G + (t0 + col) * H * K + h * K + d, mask=kmask & sok, other=0.0)
-        ok = ((rows < n) & (rows >= col))[:, None] & kmask[None, :]
-        e = tl.exp(tl.where(ok, g_i - g_s[None, :], float("-inf")))
-        dm_col = tl.sum(tl.where(t[None, :] == col, dm_i, 0.0), 1)
-        dl_col = tl.sum(tl.where(t[None, :] == col, dl_i, 0.0), 1)
-        p_m = dm_col[:, None] * e                     # d(q_t . k_s e_ts) weights
-        p_l = (dl_col * b_i)[:, None] * e             # d(k_t . k_s e_ts) weights, beta folded in
-        dq_i += p_m * k_s[None, :]
-        dk_i += p_l * k_s[None, :]
-        db_i += tl.sum(dl_col[:, None] * e * k_i * k_s[None, :], 1)
-        t_pair = p_m * q_i + p_l * k_i                # gradient reaching k_s from every row t
-        dg_i += t_pair * k_s[None, :]
-        dk_i += tl.where(s16[:, None] == s, tl.sum(t_pair, 0)[None, :], 0.0)
-        dg_i -= tl.where(s16[:, None] == s, tl.sum(t_pair * k_s[None, :], 0)[None, :], 0.0)
-    return dq_i, dk_i, dg_i, db_i
+def dot_fp32(a, b):
+    """fp32-accurate dot (three tf32 passes on GPU) for the terms that cancel inside dG."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
 
 
 @triton.jit
-def intra_bwd_kernel(q, k, v, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, f, A_log, dt_bias, dM_buf, dL_buf,
-                     dq, dk, dv, dbeta, dg, dA_terms, chunk_start, chunk_len, scale, lower_bound,
-                     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     SAFE_GATE: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     DOT_BF16: tl.constexpr):
+def intra_bwd_dv_kernel(k, v, beta, G, hbuf, U, dU, dO, Ainv, dM_buf, dL_buf, dv, dbeta_parts,
+                        chunk_start, chunk_len, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr, DOT_BF16: tl.constexpr):
     c, h = tl.program_id(0), tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
-    t, d, s16 = tl.arange(0, 64), tl.arange(0, BK), tl.arange(0, 16)
-    kmask, row_ok = d < K, t < n
-    m2 = row_ok[:, None] & kmask[None, :]
-    k_all = load_chunk(k, t0, n, h, H, K, 0, BK)
-    g_all = load_chunk(G, t0, n, h, H, K, 0, BK)
+    t = tl.arange(0, 64)
+    row_ok = t < n
     b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
+    kb = load_chunk(k, t0, n, h, H, K, 0, BK) * b_all[:, None] * tl.exp(load_chunk(G, t0, n, h, H, K, 0, BK))
+    kb = to_dot(kb, DOT_BF16)
     a_inv = load_chunk(Ainv, t0, n, h, H, 64, 0, 64)
-    a_dot = to_dot(a_inv, DOT_BF16)
-
-    # 1) contractions over V
-    d_w = tl.zeros([64, BK], dtype=tl.float32)
-    d_kgl = tl.zeros([64, BK], dtype=tl.float32)
-    d_qg = tl.zeros([64, BK], dtype=tl.float32)
-    d_glast = tl.zeros([BK], dtype=tl.float32)
+    a_dot_t = tl.trans(to_dot(a_inv, DOT_BF16))
     d_m = tl.zeros([64, 64], dtype=tl.float32)
     d_ainv = tl.zeros([64, 64], dtype=tl.float32)
     d_b = tl.zeros([64], dtype=tl.float32)
     for v0 in range(0, V, BV):
         offs_s, mask_s = state_offsets(c, h, v0, H, K, V, BK, BV)
-        S = tl.load(hbuf + offs_s, mask=mask_s, other=0.0).to(tl.float32)
-        dS = tl.load(dhbuf + offs_s, mask=mask_s, other=0.0).to(tl.float32)
-        u = load_chunk(U, t0, n, h, H, V, v0, BV)
-        du = load_chunk(dU, t0, n, h, H, V, v0, BV)
+        S = tl.load(hbuf + offs_s, mask=mask_s, other=0.0)
+        u = to_dot(load_chunk(U, t0, n, h, H, V, v0, BV), DOT_BF16)
+        du = to_dot(load_chunk(dU, t0, n, h, H, V, v0, BV), DOT_BF16)
         do = to_dot(load_chunk(dO, t0, n, h, H, V, v0, BV), DOT_BF16)
         vv = load_chunk(v, t0, n, h, H, V, v0, BV)
-        S_t, du_d = tl.trans(to_dot(S, DOT_BF16)), to_dot(du, DOT_BF16)
-        d_w -= tl.dot(du_d, S_t)
-        d_kgl += tl.dot(to_dot(u, DOT_BF16), tl.trans(to_dot(dS, DOT_BF16)))
-        d_glast += tl.sum(S * dS, 1)
-        d_qg += tl.dot(do, S_t)
-        d_m += tl.dot(do, tl.trans(to_dot(u, DOT_BF16)))
-        d_vb = tl.dot(tl.trans(a_dot), du_d)
+        d_m += tl.dot(do, tl.trans(u))
+        rhs = vv * b_all[:, None] - tl.dot(kb, to_dot(S, DOT_BF16))  # (I + L) u: what Ainv multiplied
+        d_ainv += tl.dot(du, tl.trans(to_dot(rhs, DOT_BF16)))
+        d_vb = tl.dot(a_dot_t, du)
         store_chunk(dv, d_vb * b_all[:, None], t0, n, h, H, V, v0, BV)
         d_b += tl.sum(d_vb * vv, 1)
-        d_ainv += tl.dot(du_d, tl.trans(to_dot(vv * b_all[:, None], DOT_BF16)))
-
-    # 2) w = Ainv kb, kgl = k exp(Gl - G), qg = scale q exp(G)
-    e_g = tl.exp(g_all)
-    kb = k_all * b_all[:, None] * e_g
-    d_ainv += tl.dot(to_dot(d_w, DOT_BF16), tl.trans(to_dot(kb, DOT_BF16)))
-    d_kb = tl.dot(tl.trans(a_dot), to_dot(d_w, DOT_BF16))
-    d_k = d_kb * b_all[:, None] * e_g
-    d_b += tl.sum(d_kb * k_all * e_g, 1)
-    d_g = d_kb * kb
-    g_last = tl.load(G + (t0 + n - 1) * H * K + h * K + d, mask=kmask, other=0.0)
-    e_l = tl.exp(tl.where(m2, g_last[None, :] - g_all, float("-inf")))
-    d_k += d_kgl * e_l
-    d_g -= d_kgl * k_all * e_l
-    last_terms = tl.sum(d_kgl * k_all * e_l, 0) + tl.exp(g_last) * d_glast
-    d_g += tl.where(t[:, None] == n - 1, last_terms[None, :], 0.0)
-    q_all = load_chunk(q, t0, n, h, H, K, 0, BK)
-    d_q = d_qg * e_g * scale
-    d_g += d_qg * q_all * e_g * scale
-    d_l = -tl.dot(tl.trans(a_inv), tl.dot(d_ainv, tl.trans(a_inv)))
+    d_l = -dot_fp32(tl.trans(a_inv), dot_fp32(d_ainv, tl.trans(a_inv)))
     valid = row_ok[:, None] & row_ok[None, :]
-    d_l = tl.where(valid & (t[None, :] < t[:, None]), d_l, 0.0)
-    d_m = tl.where(valid & (t[None, :] <= t[:, None]), d_m * scale, 0.0)
-    store_chunk(dM_buf, d_m, t0, n, h, H, 64, 0, 64)
-    store_chunk(dL_buf, d_l, t0, n, h, H, 64, 0, 64)
-    tl.debug_barrier()
+    store_chunk(dL_buf, tl.where(valid & (t[None, :] < t[:, None]), d_l, 0.0), t0, n, h, H, 64, 0, 64)
+    store_chunk(dM_buf, tl.where(valid & (t[None, :] <= t[:, None]), d_m * scale, 0.0), t0, n, h, H, 64, 0, 64)
+    tl.store(dbeta_parts + (t0 + t) * H + h, d_b, mask=row_ok)
 
-    # 3) column side of the decayed products: gradient reaching k_s
+
+@triton.jit
+def load_col(ptr, t0, col, h, H, D: tl.constexpr, kc, BKT: tl.constexpr, ok):
+    """Row `col` of a chunk, columns kc..kc+BKT-1, fp32 [BKT]."""
+    d = kc + tl.arange(0, BKT)
+    return tl.load(ptr + (t0 + col) * H * D + h * D + d, mask=(d < D) & ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, dL_buf, f, A_log, dt_bias,
+                          dq, dk, dg, dbeta_parts, dA_parts, ddt_parts, chunk_start, chunk_len, scale,
+                          lower_bound, H, part_stride, K: tl.constexpr, V: tl.constexpr, BKT: tl.constexpr,
+                          BV: tl.constexpr, SAFE_GATE: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr):
+    kt, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
+    kc = kt * BKT
+    t, d = tl.arange(0, 64), kc + tl.arange(0, BKT)
+    kmask, row_ok = d < K, t < n
+    m2 = row_ok[:, None] & kmask[None, :]
+
+    # 1) state contractions over V for this K tile
+    d_w = tl.zeros([64, BKT], dtype=tl.float32)
+    d_kgl = tl.zeros([64, BKT], dtype=tl.float32)
+    d_qg = tl.zeros([64, BKT], dtype=tl.float32)
+    d_glast = tl.zeros([BKT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        e = v0 + tl.arange(0, BV)
+        offs_s = ((c * H + h) * K + d)[:, None] * V + e[None, :]
+        mask_s = kmask[:, None] & (e < V)[None, :]
+        S = tl.load(hbuf + offs_s, mask=mask_s, other=0.0)
+        dS = tl.load(dhbuf + offs_s, mask=mask_s, other=0.0)
+        S_t = tl.trans(to_dot(S, DOT_BF16))
+        d_w -= tl.dot(to_dot(load_chunk(dU, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
+        d_qg += tl.dot(to_dot(load_chunk(dO, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
+        d_kgl += tl.dot(to_dot(load_chunk(U, t0, n, h, H, V, v0, BV), DOT_BF16), tl.trans(to_dot(dS, DOT_BF16)))
+        d_glast += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
+
+    # 2) through w = Ainv kb (kb = beta k e^G), kgl = k e^{Gl - G}, qg = scale q e^G
+    q_c = load_chunk(q, t0, n, h, H, K, kc, BKT)
+    k_c = load_chunk(k, t0, n, h, H, K, kc, BKT)
+    g_c = load_chunk(G, t0, n, h, H, K, kc, BKT)
+    b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
+    e_g = tl.exp(g_c)
+    d_kb = dot_fp32(tl.trans(load_chunk(Ainv, t0, n, h, H, 64, 0, 64)), d_w)
+    d_k = d_kb * b_all[:, None] * e_g
+    d_b = tl.sum(d_kb * k_c * e_g, 1)
+    d_g = d_k * k_c
+    g_last = load_col(G, t0, n - 1, h, H, K, kc, BKT, True)
+    e_l = tl.exp(tl.where(m2, g_last[None, :] - g_c, float("-inf")))
+    d_k += d_kgl * e_l
+    d_g -= d_kgl * k_c * e_l
+    last_terms = tl.sum(d_kgl * k_c * e_l, 0) + tl.exp(g_last) * d_glast
+    d_g += tl.where(t[:, None] == n - 1, last_terms[None, :], 0.0)
+    d_q = d_qg * e_g * scale
+    d_g += d_q * q_c
+
+    # 3) dMqk, dL through the decayed products, one 16-row block (reference row r) at a time
+    d_m = load_chunk(dM_buf, t0, n, h, H, 64, 0, 64)
+    d_l = load_chunk(dL_buf, t0, n, h, H, 64, 0, 64)
+    kb_c = k_c * b_all[:, None]
     for i in tl.static_range(4):
         r0 = i * 16
-        q_i = row_block(q, t0, r0, n, H * K, h * K, d, K)
-        k_i = row_block(k, t0, r0, n, H * K, h * K, d, K)
-        g_i = row_block(G, t0, r0, n, H * K, h * K, d, K)
-        b_i = tl.load(beta + (t0 + r0 + s16) * H + h, mask=(r0 + s16) < n, other=0.0).to(tl.float32)
-        e_row, e_col = decay_factors(g_all, g_i, G, t0, r0, n, h, H, K, BK, SAFE_GATE)
-        dm_i = to_dot(row_block(dM_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
-        dl_i = to_dot(row_block(dL_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
-        col = tl.dot(tl.trans(dm_i), to_dot(q_i * e_row, DOT_BF16))
-        col += tl.dot(tl.trans(dl_i), to_dot(k_i * b_i[:, None] * e_row, DOT_BF16))
-        col *= e_col
-        d_k += col
-        d_g -= col * k_all
-    store_chunk(dq, d_q, t0, n, h, H, K, 0, BK)
-    store_chunk(dk, d_k, t0, n, h, H, K, 0, BK)
-    store_chunk(dg, d_g, t0, n, h, H, K, 0, BK)
-    tl.store(dbeta + (t0 + t) * H + h, d_b, mask=row_ok)
-    tl.debug_barrier()
+        g_r = load_col(G, t0, tl.minimum(r0, n - 1), h, H, K, kc, BKT, True)
+        in_block = (t >= r0) & (t < r0 + 16) & row_ok
+        e_row = tl.exp(tl.where(in_block[:, None] & kmask[None, :], g_c - g_r[None, :], float("-inf")))
+        if SAFE_GATE:
+            ncol = r0 + 16
+        else:
+            ncol = r0
+        e_col = tl.exp(tl.where(((t < ncol) & row_ok)[:, None] & kmask[None, :], g_r[None, :] - g_c, float("-inf")))
+        # column side: what rows t of the block send to key s
+        col = (dot_fp32(tl.trans(d_m), q_c * e_row) + dot_fp32(tl.trans(d_l), kb_c * e_row)) * e_col
+        # row side: what keys s send to the rows t of the block
+        kl = k_c * e_col
+        r_q = dot_fp32(d_m, kl) * e_row
+        r_k = dot_fp32(d_l, kl) * e_row
+        d_q += r_q
+        d_k += col + b_all[:, None] * r_k
+        d_g += q_c * r_q + kb_c * r_k - col * k_c
+        d_b += tl.sum(k_c * r_k, 1)
+    if not SAFE_GATE:  # diagonal tiles position by position (unbounded gate): exp(G_t - G_s), t >= s, same tile
+        for s in range(0, n):
+            k_s = load_col(k, t0, s, h, H, K, kc, BKT, True)
+            g_s = load_col(G, t0, s, h, H, K, kc, BKT, True)
+            ok = (t >= s) & (t < (s // 16) * 16 + 16) & row_ok
+            e = tl.exp(tl.where(ok[:, None] & kmask[None, :], g_c - g_s[None, :], float("-inf")))
+            dm_s = tl.load(dM_buf + (t0 + t) * H * 64 + h * 64 + s, mask=row_ok, other=0.0)
+            dl_s = tl.load(dL_buf + (t0 + t) * H * 64 + h * 64 + s, mask=row_ok, other=0.0)
+            p_m = dm_s[:, None] * e
+            p_l = (dl_s * b_all)[:, None] * e
+            d_q += p_m * k_s[None, :]
+            d_k += p_l * k_s[None, :]
+            d_b += tl.sum(dl_s[:, None] * e * k_c * k_s[None, :], 1)
+            pair = p_m * q_c + p_l * k_c  # gradient reaching k_s from every row t
+            d_g += pair * k_s[None, :]
+            d_k += tl.where(t[:, None] == s, tl.sum(pair, 0)[None, :], 0.0)
+            d_g -= tl.where(t[:, None] == s, tl.sum(pair * k_s[None, :], 0)[None, :], 0.0)
 
-    # 4) row side, per 16-row block (read-modify-write of the rows just stored)
-    for i in tl.static_range(4):
-        r0 = i * 16
-        rows = r0 + s16
-        rok = rows < n
-        q_i = row_block(q, t0, r0, n, H * K, h * K, d, K)
-        k_i = row_block(k, t0, r0, n, H * K, h * K, d, K)
-        g_i = row_block(G, t0, r0, n, H * K, h * K, d, K)
-        b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
-        e_row, e_col = decay_factors(g_all, g_i, G, t0, r0, n, h, H, K, BK, SAFE_GATE)
-        dm_i = row_block(dM_buf, t0, r0, n, H * 64, h * 64, t, 64)
-        dl_i = row_block(dL_buf, t0, r0, n, H * 64, h * 64, t, 64)
-        kl = to_dot(k_all * e_col, DOT_BF16)
-        r_q = tl.dot(to_dot(dm_i, DOT_BF16), kl) * e_row
-        r_k = tl.dot(to_dot(dl_i, DOT_BF16), kl) * e_row
-        dq_i = row_block(dq, t0, r0, n, H * K, h * K, d, K) + r_q
-        dk_i = row_block(dk, t0, r0, n, H * K, h * K, d, K) + b_i[:, None] * r_k
-        dg_i = row_block(dg, t0, r0, n, H * K, h * K, d, K) + q_i * r_q + b_i[:, None] * k_i * r_k
-        db_i = tl.load(dbeta + (t0 + rows) * H + h, mask=rok, other=0.0) + tl.sum(k_i * r_k, 1)
-        if not SAFE_GATE:
-            dq_i, dk_i, dg_i, db_i = diag_tile_bwd(q_i, k_i, g_i, b_i, dm_i, dl_i, dq_i, dk_i, dg_i, db_i,
-                                                   k, G, t0, r0, n, h, H, K, BK)
-        offs = (t0 + rows)[:, None] * (H * K) + h * K + d[None, :]
-        mask = rok[:, None] & kmask[None, :]
-        tl.store(dq + offs, dq_i, mask=mask)
-        tl.store(dk + offs, dk_i, mask=mask)
-        tl.store(dg + offs, dg_i, mask=mask)
-        tl.store(dbeta + (t0 + rows) * H + h, db_i, mask=rok)
-    tl.debug_barrier()
-
-    # 5) dg = reverse cumsum of dG over the chunk; then through the gate activation
-    d_G = load_chunk(dg, t0, n, h, H, K, 0, BK)
-    d_gate = tl.sum(d_G, 0)[None, :] - tl.cumsum(d_G, 0) + d_G
+    # 4) dg = reverse cumsum of dG over the chunk, then through the gate activation
+    d_gate = tl.where(m2, tl.sum(d_g, 0)[None, :] - tl.cumsum(d_g, 0) + d_g, 0.0)
     if GATE != 0:
-        x = load_chunk(f, t0, n, h, H, K, 0, BK)
+        x = load_chunk(f, t0, n, h, H, K, kc, BKT)
         a = 1.0
         if HAS_A:
             a = tl.exp(tl.load(A_log + h).to(tl.float32))
-        bias = tl.zeros([1, BK], dtype=tl.float32)
+        bias = tl.zeros([1, BKT], dtype=tl.float32)
         if HAS_BIAS:
             bias = tl.load(dt_bias + h * K + d, mask=kmask, other=0.0).to(tl.float32)[None, :]
         dg_dx, dg_da = gate_grads(x, a, bias, lower_bound, GATE)
         if HAS_A:
-            store_chunk(dA_terms, d_gate * dg_da, t0, n, h, H, K, 0, BK)
-        d_gate = d_gate * dg_dx
-    store_chunk(dg, d_gate, t0, n, h, H, K, 0, BK)
+            tl.store(dA_parts + (c * H + h) * tl.num_programs(0) + kt, tl.sum(tl.sum(d_gate * dg_da, 1), 0))
+        d_gate = tl.where(m2, d_gate * dg_dx, 0.0)
+        if HAS_BIAS:
+            tl.store(ddt_parts + (c * H + h) * K + d, tl.sum(d_gate, 0), mask=kmask)
+    store_chunk(dq, d_q, t0, n, h, H, K, kc, BKT)
+    store_chunk(dk, d_k, t0, n, h, H, K, kc, BKT)
+    store_chunk(dg, d_gate, t0, n, h, H, K, kc, BKT)
+    tl.store(dbeta_parts + (1 + kt) * part_stride + (t0 + t) * H + h, d_b, mask=row_ok)

@@ -1,0 +1,52 @@
+"""Compile a Triton kernel for a GPU target on a machine without a GPU, and read its resource usage.
+
+triton.compile runs the whole pipeline (frontend to cubin with triton's bundled ptxas) from a signature;
+ptxas -v on the same PTX reports registers and spill bytes, which a GPU-less test can then bound.
+"""
+
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+
+
+@dataclass
+class Resources:
+    registers: int
+    spill_stores: int  # bytes
+    spill_loads: int  # bytes
+    shared: int  # bytes of shared memory Triton asked for
+
+
+def compile_for(kernel, signature: dict, constexprs: dict, num_warps=4, num_stages=3, capability=90):
+    """triton.compile for CUDA `capability` (default sm_90). signature: arg name -> type (e.g. "*bf16", "i32");
+    constexpr args go in `constexprs` and need not be in `signature`."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    sig = {name: sig[name] for name in kernel.arg_names}  # kernel's argument order
+    source = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+    target = GPUTarget("cuda", capability, 32)
+    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _ptxas():
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def resources(compiled, capability=90) -> Resources:
+    """Registers and spill bytes of a compiled kernel (ptxas -v on its PTX)."""
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "k.ptx")
+        with open(ptx, "w") as fh:
+            fh.write(compiled.asm["ptx"])
+        out = subprocess.run([_ptxas(), "-v", f"-arch={arch}", ptx, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    num = lambda pattern: int(re.search(pattern, out).group(1)) if re.search(pattern, out) else 0  # noqa: E731
+    return Resources(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
+                     spill_loads=num(r"(\d+) bytes spill loads"), shared=compiled.metadata.shared)
