@@ -6,7 +6,8 @@ offsets (so capacity mode has real overflow work), on CUDA when present. Ops:
 * ``torch.topk``: the bare selection (DESIGN.md section 8 quotes 0.90 ms on an H200);
 * ``topk_routing``: top-k + gates, the baseline the ratios are against;
 * ``capacity_routing`` at each ``--capacity-factor`` (one process: no collectives timed;
-  add one ``E x num_bins`` int64 all-reduce per round, see docs/quantile_balancing.md);
+  add one ``E x num_bins`` int64 all-reduce per round, see docs/quantile_balancing.md), with
+  its round count (``rounds``; 1 for the top-k rows);
 * ``dual_bias_histogram`` (per microbatch) and ``dual_bias_update`` (per step).
 
 Times are medians over ``--repeats`` calls (CUDA-synchronised). Prints a table and writes
@@ -88,7 +89,8 @@ def main(argv=None):
         kept = routing.experts[routing.experts >= 0]
         load = torch.bincount(kept, minlength=e).float()
         return {"max_vio": ((load.max() - load.mean()) / load.mean()).item(),
-                "dropped": routing.dropped.item(), "rerouted": routing.rerouted.item()}
+                "dropped": routing.dropped.item(), "rerouted": routing.rerouted.item(),
+                "rounds": routing.rounds if routing.rounds is not None else 1}
 
     ops = {
         "torch.topk": (lambda: scores.topk(k, dim=1), None),
@@ -112,9 +114,11 @@ def main(argv=None):
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {device_name}   N={n} E={e} k={k} bins={args.num_bins} skew={args.skew}")
-    print(f"{'op':<28}{'ms (median)':>12}{'x topk_routing':>16}{'MaxVio':>8}{'dropped':>9}{'rerouted':>10}")
+    print(f"{'op':<28}{'ms (median)':>12}{'x topk_routing':>16}{'MaxVio':>8}{'dropped':>9}{'rerouted':>10}"
+          f"{'rounds':>8}")
     for row in rows:
-        extra = (f"{row['max_vio']:>8.3f}{row['dropped']:>9d}{row['rerouted']:>10d}" if "max_vio" in row else "")
+        extra = (f"{row['max_vio']:>8.3f}{row['dropped']:>9d}{row['rerouted']:>10d}{row['rounds']:>8d}"
+                 if "max_vio" in row else "")
         print(f"{row['op']:<28}{row['ms']:>12.3f}{row['vs_topk_routing']:>16.2f}{extra}")
     if args.out:
         result = {

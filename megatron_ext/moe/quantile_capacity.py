@@ -45,7 +45,7 @@ def expert_capacity(num_tokens_global: int, k: int, num_experts: int, capacity_f
 
 
 # Candidates listed per token slot: with 2k, a token exhausts its list (and pays a full-row
-# top-k) only when k of its 2k best experts filled up before it got them.
+# top-k to refresh it) only when its listed experts with room run short of its free slots.
 _CANDIDATES_PER_SLOT = 2
 
 
@@ -109,26 +109,26 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     num_tokens, num_experts = scores.shape
     biased = biased_scores(scores, bias)
     # Every token's best experts in preference order, computed once: a round scans these
-    # [N, c] lists instead of masking and re-sorting [N, E] rows. A token that runs out of
-    # listed experts with room falls back to its full row (exactly the same proposals).
+    # [N, c] lists instead of masking and re-sorting [N, E] rows. A token whose list runs out
+    # of experts with room gets a fresh list of its best c experts with room that it does not
+    # hold (room never grows back, so the list stays exact until it runs out again).
     width = min(num_experts, _CANDIDATES_PER_SLOT * k)
     candidates = biased.topk(width, dim=1).indices
+    top_k = candidates[:, :k].clone()  # the lists get refreshed; `rerouted` compares with this
     candidate_bins = histogram_bins(scores.gather(1, candidates), lo, hi, num_bins)
     taken = torch.zeros_like(candidates, dtype=torch.bool)  # candidate already held
     experts = torch.full((num_tokens, k), -1, dtype=torch.int64, device=scores.device)
     # Round 1 is the plain top-k of every token; later rounds only revisit refused tokens.
-    rows, fallback, room, capacity, round_index = None, None, None, 0, 0
+    rows, room, capacity, round_index = None, None, 0, 0
     while max_rounds is None or round_index < max_rounds:
         if rows is None:
             proposals, bins = candidates[:, :k], candidate_bins[:, :k]
             valid, held = torch.ones_like(proposals, dtype=torch.bool), experts
         else:
             held, listed = experts[rows], taken[rows]
-            proposals, valid, bins = _propose_from_lists(candidates[rows], candidate_bins[rows], listed,
-                                                         (held < 0).sum(1), room)
-            if fallback is not None:
-                _propose_from_rows(proposals, valid, bins, fallback, scores[rows[fallback]],
-                                   biased[rows[fallback]], held[fallback], room, (lo, hi, num_bins))
+            proposals, bins = candidates[rows], candidate_bins[rows]
+            available = ~listed & (room[proposals] > 0)
+            valid = available & (available.cumsum(dim=1) <= (held < 0).sum(1, keepdim=True))
         hist = histogram_counts(proposals, bins, num_experts, num_bins, valid)
         # The token count rides along (fixed shape); round 1 uses it to fix the capacity.
         packed = _all_reduce(torch.cat([hist.reshape(-1), hist.new_tensor([num_tokens])]), group)
@@ -153,12 +153,8 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
             experts = new_held
             taken[:, :k] = accepted
         else:
-            new_listed = listed | accepted
-            if fallback is not None:  # proposals off the lists: re-derive from the experts held
-                new_listed[fallback] = (candidates[rows[fallback]].unsqueeze(2)
-                                        == new_held[fallback].unsqueeze(1)).any(dim=2)
             experts[rows] = new_held
-            taken[rows] = new_listed
+            taken[rows] = listed | accepted
         round_index += 1
         if max_excess <= 0 or round_index == max_rounds:
             break
@@ -166,45 +162,32 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
         # room never grows back.
         refused_rows = (valid & ~accepted).any(dim=1).nonzero().squeeze(1)
         rows = refused_rows if rows is None else rows[refused_rows]
-        fallback = _exhausted_lists(candidates[rows], taken[rows], experts[rows], room, num_experts)
-    return _finish(scores, biased, experts, candidates[:, :k], renormalize,
+        if width < num_experts:
+            _refresh_exhausted_lists(rows, candidates, candidate_bins, taken, experts, scores, biased, room,
+                                     (lo, hi, num_bins))
+    return _finish(scores, biased, experts, top_k, renormalize,
                    global_load=capacity - room, rounds=round_index)
 
 
-def _propose_from_lists(candidates, candidate_bins, taken, free, room):
-    """Each row's first ``free`` listed experts that have room and are not held: proposals
-    ``[M, c]`` (expert ids), their validity and score bins."""
-    available = ~taken & (room[candidates] > 0)
-    valid = available & (available.cumsum(dim=1) <= free.unsqueeze(1))
-    return candidates, valid, candidate_bins
-
-
-def _exhausted_lists(candidates, taken, held, room, num_experts):
-    """Positions (into ``candidates``' rows) of tokens whose list holds fewer experts with room
-    than they have free slots, when experts exist beyond the list; None when there are none
-    (one host read: the common case skips the full-row path)."""
-    if candidates.shape[1] == num_experts:
-        return None
-    short = (~taken & (room[candidates] > 0)).sum(dim=1) < (held < 0).sum(dim=1)
-    exhausted = short.nonzero().squeeze(1)
-    return exhausted if exhausted.numel() else None
-
-
-def _propose_from_rows(proposals, valid, bins, positions, scores, biased, held, room, binning):
-    """Overwrite ``positions`` of the list proposals with each row's best ``free`` experts by
-    biased score among all experts with room it does not hold ([F, E] work for F rows)."""
-    num_experts, k = biased.shape[1], held.shape[1]
-    mask = torch.zeros(biased.shape[0], num_experts + 1, dtype=torch.bool, device=biased.device)
-    mask.scatter_(1, torch.where(held >= 0, held, num_experts), True)  # -1 -> spare column
-    unavailable = mask[:, :num_experts] | (room <= 0).unsqueeze(0)
-    values, chosen = biased.masked_fill(unavailable, -math.inf).topk(k, dim=1)
-    slot = torch.arange(k, device=biased.device)
-    chosen_valid = (slot < (held < 0).sum(1, keepdim=True)) & (values > -math.inf)
-    proposals[positions] = -1
-    proposals[positions, :k] = chosen
-    valid[positions] = False
-    valid[positions, :k] = chosen_valid
-    bins[positions, :k] = histogram_bins(scores.gather(1, chosen), *binning)
+def _refresh_exhausted_lists(rows, candidates, candidate_bins, taken, experts, scores, biased, room, binning):
+    """Give each token of ``rows`` whose list holds fewer experts with room than it has free
+    slots a new list: its best ``c`` experts by biased score among those with room that it does
+    not hold ([F, E] work for those F tokens only; one host read to find them)."""
+    free = (experts[rows] < 0).sum(dim=1)
+    available = (~taken[rows] & (room[candidates[rows]] > 0)).sum(dim=1)
+    tokens = rows[available < free]
+    if tokens.numel() == 0:
+        return
+    num_experts, width = biased.shape[1], candidates.shape[1]
+    held = experts[tokens]
+    unavailable = torch.zeros(tokens.numel(), num_experts + 1, dtype=torch.bool, device=biased.device)
+    unavailable.scatter_(1, torch.where(held >= 0, held, num_experts), True)  # -1 -> spare column
+    unavailable = unavailable[:, :num_experts] | (room <= 0).unsqueeze(0)
+    # Unavailable experts may fill the tail of a short list; they stay unavailable for good.
+    fresh = biased[tokens].masked_fill(unavailable, -math.inf).topk(width, dim=1).indices
+    candidates[tokens] = fresh
+    candidate_bins[tokens] = histogram_bins(scores[tokens].gather(1, fresh), *binning)
+    taken[tokens] = unavailable.gather(1, fresh)
 
 
 def _accept(proposals, valid, bins, hist, refused, group):
