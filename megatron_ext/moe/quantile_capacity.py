@@ -96,7 +96,8 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     Collectives per call: one all-reduce of ``E * num_bins`` int64 (+1) per round, plus one of
     ``world * E`` int64 in rounds where some expert is over-subscribed. Host syncs per round:
     one read of three global totals (the loop exit), one in over-subscribed rounds (the
-    boundary-bin proposals), one to gather the refused tokens for the next round.
+    boundary-bin proposals), one to gather the refused tokens and one to find those whose
+    candidate list ran short.
     """
     check_scores(scores, k, bias)
     if not isinstance(num_bins, int) or num_bins < 1:
