@@ -16,8 +16,11 @@ from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
 
 CHUNK = 64
 BV = 64
-BKT = 64  # K tile of intra_bwd_dqkg_kernel
-DV_WARPS, DQKG_WARPS = 8, 8
+# Launch configs of the backward intra kernels, chosen so that nothing spills on sm_90 at D = 128
+# (tests/kernels/test_kda_compile.py checks them): (BV, num_warps, num_stages) and the K tile of dqkg.
+DV_CONFIG = dict(BV=32, num_warps=8, num_stages=3)
+DQKG_CONFIG = dict(BV=32, num_warps=8, num_stages=1)
+BKT = 32
 L2_ROWS = 32  # rows per program of the L2-norm backward
 
 
@@ -104,12 +107,13 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     f32 = dict(dtype=torch.float32, device=dev)
     block_kt = min(BKT, opts["BK"])
     num_kt = triton.cdiv(K, block_kt)
-    scratch = torch.empty(2, T, H, CHUNK, **f32)  # dMqk, dL
+    # dMqk, dL: rounded once to the dot operand type (bf16 for bf16 inputs), read by every K tile
+    scratch = torch.empty(2, T, H, CHUNK, dtype=torch.bfloat16 if opts["DOT_BF16"] else torch.float32, device=dev)
     dv = torch.empty(T, H, V, dtype=v.dtype, device=dev)
     dbeta_parts = torch.empty(1 + num_kt, T, H, **f32)  # [0]: through v; [1 + j]: through K tile j
     intra_bwd_dv_kernel[(meta.num_chunks, H)](
-        k, v, beta, G, hbuf, U, dU, do, Ainv, scratch[0], scratch[1], dv, dbeta_parts, meta.chunk_start,
-        meta.chunk_len, scale, num_warps=DV_WARPS, **opts)
+        v, beta, U, dU, do, Ainv, scratch[0], scratch[1], dv, dbeta_parts, meta.chunk_start, meta.chunk_len, scale,
+        H=H, V=V, DOT_BF16=opts["DOT_BF16"], **DV_CONFIG)
     dq = torch.empty(T, H, K, dtype=dqk_dtype, device=dev)
     dk = torch.empty(T, H, K, dtype=dqk_dtype, device=dev)
     dg = torch.empty(T, H, K, dtype=f.dtype, device=dev)
@@ -120,9 +124,8 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     intra_bwd_dqkg_kernel[(num_kt, meta.num_chunks, H)](
         q, k, beta, G, hbuf, dhbuf, U, dU, do, Ainv, scratch[0], scratch[1], f, A_log if has_a else f,
         dt_bias if has_bias else f, dq, dk, dg, dbeta_parts, dA_parts, ddt_parts, meta.chunk_start,
-        meta.chunk_len, scale, float(lower_bound or 0.0), H, T * H, K=K, V=V, BKT=block_kt, BV=BV,
-        SAFE_GATE=safe_gate, GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, DOT_BF16=opts["DOT_BF16"],
-        num_warps=DQKG_WARPS)
+        meta.chunk_len, scale, float(lower_bound or 0.0), H, T * H, K=K, V=V, BKT=block_kt, SAFE_GATE=safe_gate,
+        GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, DOT_BF16=opts["DOT_BF16"], **DQKG_CONFIG)
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
     dA_log = dA_parts.sum((0, 2)) if has_a else None
     ddt_bias = ddt_parts.sum(0).reshape(H * K) if has_bias else None

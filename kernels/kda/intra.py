@@ -27,6 +27,26 @@ def to_dot(x, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
+def dot_split(a, b, SPLIT_A: tl.constexpr, DOT_BF16: tl.constexpr):
+    """a @ b where one fp32 operand (a if SPLIT_A else b) is split into bf16 hi + lo parts for bf16 inputs:
+    two bf16 dots give it ~16 mantissa bits instead of 8 (the other operand is rounded to bf16 once, i.e. it
+    should be bf16 data or a value that every use rounds the same way). Used where terms cancel (dG)."""
+    if DOT_BF16:
+        if SPLIT_A:
+            hi = a.to(tl.bfloat16)
+            lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
+            other = b.to(tl.bfloat16)
+            return tl.dot(lo, other, tl.dot(hi, other))
+        else:
+            hi = b.to(tl.bfloat16)
+            lo = (b - hi.to(tl.float32)).to(tl.bfloat16)
+            other = a.to(tl.bfloat16)
+            return tl.dot(other, lo, tl.dot(other, hi))
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+@triton.jit
 def row_block(ptr, t0, r0, n, row_stride, col0, cols, ncols):
     """Load rows r0..r0+15 of a chunk starting at token t0 (n valid rows) as fp32 [16, len(cols)]."""
     rows = r0 + tl.arange(0, 16)

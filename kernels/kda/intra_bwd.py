@@ -1,9 +1,10 @@
 """Per-chunk backward: everything except the reverse state walk (state.py), in two kernels.
 
 `intra_bwd_dv_kernel` (one program per (chunk, head)) contracts over V for the [64, 64] chunk-mixing
-gradients and dv:
-    dMqk = dO u^T,  dAinv = du (beta v - kb S)^T  (kb = beta k exp(G); w S = Ainv kb S folds dw into it),
-    dv = beta Ainv^T du,  dL = -(Ainv^T dAinv Ainv^T) (strictly lower, L = diag(beta) Akk).
+gradients and dv. With u = Ainv (beta v - kb S) (kb = beta k exp(G)), dAinv = du (beta v - kb S)^T, so
+    dL = -(Ainv^T dAinv Ainv^T) = -(Ainv^T du) u^T   (strictly lower, L = diag(beta) Akk),
+    dMqk = dO u^T,  dv = beta Ainv^T du:
+one [64, 64] product Ainv^T du per V tile serves dv and dL, and neither S nor k is read.
 `intra_bwd_dqkg_kernel` (one program per (K tile, chunk, head)) is column-local in K: the state
 contractions dw = -du S^T, dkgl = u dS^T, dqg = dO S^T for its K columns, then dMqk / dL through the decayed
 products (same reference-row factorisation as the forward, as full 64-row dots whose rows or columns are
@@ -12,55 +13,44 @@ Splitting K keeps each program's accumulators at a few [64, 64] tiles, so nothin
 (tests/kernels/test_kda_compile.py). Both kernels write per-program partial sums (dbeta over K tiles,
 dA_log and ddt_bias over chunks) that the host adds up: deterministic, no atomics.
 
-Precision: every product that feeds dG uses fp32 operands (tf32x3 on GPU) even for bf16 inputs. dG is a
-sum of terms that cancel (exp(G_t - G_s) is shift-invariant), so bf16 rounding of the operands (dMqk, dL,
-q e^{G-r}, k e^{r-G}, dw) used to leave a large relative error on dg and on the dA_log / ddt_bias sums.
+Precision (bf16 inputs): dG is a sum of terms that cancel (exp(G_t - G_s) is shift-invariant: the pair (t, s)
+adds X_ts to dG_t on the row side and -X_ts to dG_s on the column side). Both sides used to round their
+decayed operands (q e^{G-r} on one side, k e^{r-G} on the other) to bf16 differently, so the pairs did not
+cancel and dg, dA_log, ddt_bias carried errors of the size of the cancelled terms. Now every fp32 operand
+that feeds dG (the decayed q / k tiles, dw, Ainv^T du) goes through dot_split (bf16 hi + lo, ~16 bits), and
+dMqk / dL are rounded once (bf16 scratch) so both sides of a pair see the same value.
 """
 
 import triton
 import triton.language as tl
 
 from kernels.kda.gate import gate_grads
-from kernels.kda.intra import to_dot
+from kernels.kda.intra import dot_split, to_dot
 from kernels.kda.state import load_chunk, state_offsets, store_chunk
 
 
 @triton.jit
-def dot_fp32(a, b):
-    """fp32-accurate dot (three tf32 passes on GPU) for the terms that cancel inside dG."""
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
-
-
-@triton.jit
-def intra_bwd_dv_kernel(k, v, beta, G, hbuf, U, dU, dO, Ainv, dM_buf, dL_buf, dv, dbeta_parts,
-                        chunk_start, chunk_len, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                        BV: tl.constexpr, DOT_BF16: tl.constexpr):
+def intra_bwd_dv_kernel(v, beta, U, dU, dO, Ainv, dM_buf, dL_buf, dv, dbeta_parts, chunk_start, chunk_len, scale,
+                        H, V: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
     c, h = tl.program_id(0), tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     t = tl.arange(0, 64)
     row_ok = t < n
     b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
-    kb = load_chunk(k, t0, n, h, H, K, 0, BK) * b_all[:, None] * tl.exp(load_chunk(G, t0, n, h, H, K, 0, BK))
-    kb = to_dot(kb, DOT_BF16)
-    a_inv = load_chunk(Ainv, t0, n, h, H, 64, 0, 64)
-    a_dot_t = tl.trans(to_dot(a_inv, DOT_BF16))
+    a_dot_t = tl.trans(to_dot(load_chunk(Ainv, t0, n, h, H, 64, 0, 64), DOT_BF16))
     d_m = tl.zeros([64, 64], dtype=tl.float32)
-    d_ainv = tl.zeros([64, 64], dtype=tl.float32)
+    d_l = tl.zeros([64, 64], dtype=tl.float32)
     d_b = tl.zeros([64], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        offs_s, mask_s = state_offsets(c, h, v0, H, K, V, BK, BV)
-        S = tl.load(hbuf + offs_s, mask=mask_s, other=0.0)
-        u = to_dot(load_chunk(U, t0, n, h, H, V, v0, BV), DOT_BF16)
+        u = load_chunk(U, t0, n, h, H, V, v0, BV)
         du = to_dot(load_chunk(dU, t0, n, h, H, V, v0, BV), DOT_BF16)
         do = to_dot(load_chunk(dO, t0, n, h, H, V, v0, BV), DOT_BF16)
         vv = load_chunk(v, t0, n, h, H, V, v0, BV)
-        d_m += tl.dot(do, tl.trans(u))
-        rhs = vv * b_all[:, None] - tl.dot(kb, to_dot(S, DOT_BF16))  # (I + L) u: what Ainv multiplied
-        d_ainv += tl.dot(du, tl.trans(to_dot(rhs, DOT_BF16)))
-        d_vb = tl.dot(a_dot_t, du)
+        d_m += tl.dot(do, tl.trans(to_dot(u, DOT_BF16)))
+        d_vb = tl.dot(a_dot_t, du)  # Ainv^T du
+        d_l -= dot_split(d_vb, tl.trans(u), True, DOT_BF16)
         store_chunk(dv, d_vb * b_all[:, None], t0, n, h, H, V, v0, BV)
         d_b += tl.sum(d_vb * vv, 1)
-    d_l = -dot_fp32(tl.trans(a_inv), dot_fp32(d_ainv, tl.trans(a_inv)))
     valid = row_ok[:, None] & row_ok[None, :]
     store_chunk(dL_buf, tl.where(valid & (t[None, :] < t[:, None]), d_l, 0.0), t0, n, h, H, 64, 0, 64)
     store_chunk(dM_buf, tl.where(valid & (t[None, :] <= t[:, None]), d_m * scale, 0.0), t0, n, h, H, 64, 0, 64)
@@ -93,11 +83,10 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
     d_qg = tl.zeros([64, BKT], dtype=tl.float32)
     d_glast = tl.zeros([BKT], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        e = v0 + tl.arange(0, BV)
-        offs_s = ((c * H + h) * K + d)[:, None] * V + e[None, :]
-        mask_s = kmask[:, None] & (e < V)[None, :]
-        S = tl.load(hbuf + offs_s, mask=mask_s, other=0.0)
-        dS = tl.load(dhbuf + offs_s, mask=mask_s, other=0.0)
+        S = tl.load(tl.make_block_ptr(hbuf + (c * H + h) * K * V, (K, V), (V, 1), (kc, v0), (BKT, BV), (1, 0)),
+                    boundary_check=(0, 1), padding_option="zero")
+        dS = tl.load(tl.make_block_ptr(dhbuf + (c * H + h) * K * V, (K, V), (V, 1), (kc, v0), (BKT, BV), (1, 0)),
+                     boundary_check=(0, 1), padding_option="zero")
         S_t = tl.trans(to_dot(S, DOT_BF16))
         d_w -= tl.dot(to_dot(load_chunk(dU, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
         d_qg += tl.dot(to_dot(load_chunk(dO, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
@@ -110,7 +99,7 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
     g_c = load_chunk(G, t0, n, h, H, K, kc, BKT)
     b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
     e_g = tl.exp(g_c)
-    d_kb = dot_fp32(tl.trans(load_chunk(Ainv, t0, n, h, H, 64, 0, 64)), d_w)
+    d_kb = dot_split(tl.trans(load_chunk(Ainv, t0, n, h, H, 64, 0, 64)), d_w, False, DOT_BF16)
     d_k = d_kb * b_all[:, None] * e_g
     d_b = tl.sum(d_kb * k_c * e_g, 1)
     d_g = d_k * k_c
@@ -124,11 +113,10 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
     d_g += d_q * q_c
 
     # 3) dMqk, dL through the decayed products, one 16-row block (reference row r) at a time
-    d_m = load_chunk(dM_buf, t0, n, h, H, 64, 0, 64)
-    d_l = load_chunk(dL_buf, t0, n, h, H, 64, 0, 64)
+    d_m = to_dot(load_chunk(dM_buf, t0, n, h, H, 64, 0, 64), DOT_BF16)  # rounded once: both sides of a pair
+    d_l = to_dot(load_chunk(dL_buf, t0, n, h, H, 64, 0, 64), DOT_BF16)  # see the same value and cancel exactly
     kb_c = k_c * b_all[:, None]
-    for i in tl.static_range(4):
-        r0 = i * 16
+    for r0 in range(0, n, 16):  # a loop, not unrolled: one block's temporaries live at a time
         g_r = load_col(G, t0, tl.minimum(r0, n - 1), h, H, K, kc, BKT, True)
         in_block = (t >= r0) & (t < r0 + 16) & row_ok
         e_row = tl.exp(tl.where(in_block[:, None] & kmask[None, :], g_c - g_r[None, :], float("-inf")))
@@ -138,11 +126,12 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
             ncol = r0
         e_col = tl.exp(tl.where(((t < ncol) & row_ok)[:, None] & kmask[None, :], g_r[None, :] - g_c, float("-inf")))
         # column side: what rows t of the block send to key s
-        col = (dot_fp32(tl.trans(d_m), q_c * e_row) + dot_fp32(tl.trans(d_l), kb_c * e_row)) * e_col
+        col = dot_split(tl.trans(d_m), q_c * e_row, False, DOT_BF16)
+        col = (col + dot_split(tl.trans(d_l), kb_c * e_row, False, DOT_BF16)) * e_col
         # row side: what keys s send to the rows t of the block
         kl = k_c * e_col
-        r_q = dot_fp32(d_m, kl) * e_row
-        r_k = dot_fp32(d_l, kl) * e_row
+        r_q = dot_split(d_m, kl, False, DOT_BF16) * e_row
+        r_k = dot_split(d_l, kl, False, DOT_BF16) * e_row
         d_q += r_q
         d_k += col + b_all[:, None] * r_k
         d_g += q_c * r_q + kb_c * r_k - col * k_c
@@ -153,8 +142,8 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
             g_s = load_col(G, t0, s, h, H, K, kc, BKT, True)
             ok = (t >= s) & (t < (s // 16) * 16 + 16) & row_ok
             e = tl.exp(tl.where(ok[:, None] & kmask[None, :], g_c - g_s[None, :], float("-inf")))
-            dm_s = tl.load(dM_buf + (t0 + t) * H * 64 + h * 64 + s, mask=row_ok, other=0.0)
-            dl_s = tl.load(dL_buf + (t0 + t) * H * 64 + h * 64 + s, mask=row_ok, other=0.0)
+            dm_s = tl.load(dM_buf + (t0 + t) * H * 64 + h * 64 + s, mask=row_ok, other=0.0).to(tl.float32)
+            dl_s = tl.load(dL_buf + (t0 + t) * H * 64 + h * 64 + s, mask=row_ok, other=0.0).to(tl.float32)
             p_m = dm_s[:, None] * e
             p_l = (dl_s * b_all)[:, None] * e
             d_q += p_m * k_s[None, :]
