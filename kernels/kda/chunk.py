@@ -15,12 +15,16 @@ from kernels.kda.intra_bwd import intra_bwd_dqkg_kernel, intra_bwd_dv_kernel
 from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
 
 CHUNK = 64
-BV = 64
-# Launch configs of the backward intra kernels, chosen so that nothing spills on sm_90 at D = 128
-# (tests/kernels/test_kda_compile.py checks them): (BV, num_warps, num_stages) and the K tile of dqkg.
+# Launch configs (V tile BV, num_warps, num_stages), chosen with offline sm_90 compiles so that no kernel
+# spills registers at D = 128 (tests/kernels/test_kda_compile.py checks them). The state kernels' V tile also
+# sets how many programs walk each sequence (V / BV per head).
+INTRA_FWD_CONFIG = dict(BV=32, num_warps=8)
+STATE_CONFIG = dict(BV=32, num_warps=8)
+OUTPUT_CONFIG = dict(BV=64, num_warps=4)
 DV_CONFIG = dict(BV=32, num_warps=8, num_stages=3)
 DQKG_CONFIG = dict(BV=32, num_warps=8, num_stages=1)
-BKT = 32
+BKT = 32  # K tile of intra_bwd_dqkg_kernel
+KS = 64  # K slice of the decayed products in intra_fwd_kernel
 L2_ROWS = 32  # rows per program of the L2-norm backward
 
 
@@ -69,22 +73,23 @@ def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
     T, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
-    opts = dict(H=H, K=K, V=V, BK=_block_k(K), BV=BV, DOT_BF16=dt == torch.bfloat16)
+    opts = dict(H=H, K=K, V=V, BK=_block_k(K), DOT_BF16=dt == torch.bfloat16)
     Mqk = torch.empty(T, H, CHUNK, dtype=dt, device=dev)
     Ainv = torch.empty(T, H, CHUNK, dtype=torch.float32, device=dev)
     W = torch.empty(T, H, K, dtype=dt, device=dev)
     U0 = torch.empty(T, H, V, dtype=dt, device=dev)
     intra_fwd_kernel[(meta.num_chunks, H)](q, k, v, beta, G, Mqk, Ainv, W, U0, meta.chunk_start,
-                                           meta.chunk_len, scale, SAFE_GATE=safe_gate, **opts)
+                                           meta.chunk_len, scale, SAFE_GATE=safe_gate,
+                                           KS=min(KS, opts["BK"]), **opts, **INTRA_FWD_CONFIG)
     hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
     U = torch.empty_like(U0)
     ht = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    state_fwd_kernel[(triton.cdiv(V, BV), meta.num_seqs * H)](
+    state_fwd_kernel[(triton.cdiv(V, STATE_CONFIG["BV"]), meta.num_seqs * H)](
         k, W, U0, G, h0 if h0 is not None else k, hbuf, U, ht if ht is not None else k, meta.seq_chunks,
-        meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts)
+        meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts, **STATE_CONFIG)
     o = torch.empty_like(v)
-    output_kernel[(triton.cdiv(V, BV), meta.num_chunks, H)](q, G, hbuf, Mqk, U, o, meta.chunk_start,
-                                                           meta.chunk_len, scale, **opts)
+    output_kernel[(triton.cdiv(V, OUTPUT_CONFIG["BV"]), meta.num_chunks, H)](
+        q, G, hbuf, Mqk, U, o, meta.chunk_start, meta.chunk_len, scale, **opts, **OUTPUT_CONFIG)
     return o, ht, (Mqk, Ainv, W, U, hbuf)
 
 
@@ -96,14 +101,14 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
-    opts = dict(H=H, K=K, V=V, BK=_block_k(K), BV=BV, DOT_BF16=q.dtype == torch.bfloat16)
+    opts = dict(H=H, K=K, V=V, BK=_block_k(K), DOT_BF16=q.dtype == torch.bfloat16)
     dhbuf = torch.empty_like(hbuf)
     dU = torch.empty_like(U)
     dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    state_bwd_kernel[(triton.cdiv(V, BV), meta.num_seqs * H)](
+    state_bwd_kernel[(triton.cdiv(V, STATE_CONFIG["BV"]), meta.num_seqs * H)](
         q, k, W, G, Mqk, do, dht if dht is not None else q, dhbuf, dU, dh0 if dh0 is not None else q,
         meta.seq_chunks, meta.chunk_start, meta.chunk_len, scale, HAS_DHT=dht is not None,
-        HAS_H0=dh0 is not None, **opts)
+        HAS_H0=dh0 is not None, **opts, **STATE_CONFIG)
     f32 = dict(dtype=torch.float32, device=dev)
     block_kt = min(BKT, opts["BK"])
     num_kt = triton.cdiv(K, block_kt)

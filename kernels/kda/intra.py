@@ -47,6 +47,26 @@ def dot_split(a, b, SPLIT_A: tl.constexpr, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
+def chunk_block(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
+    """Block pointer to a [64, BD] tile of a [T, H, D] tensor: tokens t0..t0+n-1, columns col0..col0+BD-1.
+    Block pointers (bounds instead of per-element masks and 64-bit addresses) keep the loops over V from
+    holding a hoisted pointer tensor per operand in registers."""
+    return tl.make_block_ptr(ptr + t0 * (H * D) + h * D, (n, D), (H * D, 1), (0, col0), (64, BD), (1, 0))
+
+
+@triton.jit
+def load_tile(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
+    """load_chunk through a block pointer (what the backward intra kernels use: see chunk_block)."""
+    block = chunk_block(ptr, t0, n, h, H, D, col0, BD)
+    return tl.load(block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+
+
+@triton.jit
+def store_tile(ptr, x, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
+    tl.store(chunk_block(ptr, t0, n, h, H, D, col0, BD), x.to(ptr.dtype.element_ty), boundary_check=(0, 1))
+
+
+@triton.jit
 def row_block(ptr, t0, r0, n, row_stride, col0, cols, ncols):
     """Load rows r0..r0+15 of a chunk starting at token t0 (n valid rows) as fp32 [16, len(cols)]."""
     rows = r0 + tl.arange(0, 16)
@@ -55,11 +75,10 @@ def row_block(ptr, t0, r0, n, row_stride, col0, cols, ncols):
 
 
 @triton.jit
-def decay_factors(g_all, g_i, G, t0, r0, n, h, H, K: tl.constexpr, BK: tl.constexpr,
-                  SAFE_GATE: tl.constexpr):
-    """Factors of exp(G_t - G_s) around r = G[min(16 i, n - 1)]: rows exp(G_t - r) [16, BK] and columns
-    exp(r - G_s) [64, BK], zero outside the valid tokens and outside the columns the dot path covers."""
-    t, d, s16 = tl.arange(0, 64), tl.arange(0, BK), tl.arange(0, 16)
+def decay_factors(g_c, g_i, G, t0, r0, n, h, H, K: tl.constexpr, d, SAFE_GATE: tl.constexpr):
+    """Factors of exp(G_t - G_s) around r = G[min(r0, n - 1)] for the channels d: rows exp(G_t - r) [16, len(d)]
+    and columns exp(r - G_s) [64, len(d)], zero outside the valid tokens and the columns the dot path covers."""
+    t, s16 = tl.arange(0, 64), tl.arange(0, 16)
     kmask = d < K
     g_r = tl.load(G + (t0 + tl.minimum(r0, n - 1)) * H * K + h * K + d, mask=kmask, other=0.0)
     row_ok = ((r0 + s16) < n)[:, None] & kmask[None, :]
@@ -69,47 +88,52 @@ def decay_factors(g_all, g_i, G, t0, r0, n, h, H, K: tl.constexpr, BK: tl.conste
     else:
         ncol = r0
     col_ok = ((t < ncol) & (t < n))[:, None] & kmask[None, :]
-    e_col = tl.exp(tl.where(col_ok, g_r[None, :] - g_all, float("-inf")))
+    e_col = tl.exp(tl.where(col_ok, g_r[None, :] - g_c, float("-inf")))
     return e_row, e_col
 
 
 @triton.jit
 def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, chunk_start, chunk_len, scale,
                      H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
+                     SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr, KS: tl.constexpr):
     c, h = tl.program_id(0), tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     t, d, s16 = tl.arange(0, 64), tl.arange(0, BK), tl.arange(0, 16)
     kmask, row_ok = d < K, t < n
     m2 = row_ok[:, None] & kmask[None, :]
     offs_k = (t0 + t)[:, None] * (H * K) + h * K + d[None, :]
-    k_all = tl.load(k + offs_k, mask=m2, other=0.0).to(tl.float32)
-    g_all = tl.load(G + offs_k, mask=m2, other=0.0)
     a_base = Ainv + h * 64  # Ainv rows hold L = diag(beta) Akk first, then the inverse (scratch reuse)
 
-    # 1) decayed products, one [16, 64] block row at a time
-    for i in tl.static_range(4):
-        r0 = i * 16
+    # 1) decayed products, one [16, 64] block row at a time, summed over K slices of KS channels
+    # (loops, not unrolled, and [64, KS] tiles: what keeps this kernel from spilling at K = 128)
+    for r0 in range(0, 64, 16):
         rows = r0 + s16
         rok = rows < n
-        q_i = row_block(q, t0, r0, n, H * K, h * K, d, K)
-        k_i = row_block(k, t0, r0, n, H * K, h * K, d, K)
-        g_i = row_block(G, t0, r0, n, H * K, h * K, d, K)
         b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
-        e_row, e_col = decay_factors(g_all, g_i, G, t0, r0, n, h, H, K, BK, SAFE_GATE)
-        kl = to_dot(k_all * e_col, DOT_BF16)
-        mq = tl.dot(to_dot(q_i * e_row, DOT_BF16), tl.trans(kl))
-        lk = tl.dot(to_dot(k_i * e_row, DOT_BF16), tl.trans(kl))
-        if not SAFE_GATE:
-            for s in range(16):  # diagonal tile, position by position (unbounded gate)
-                col = r0 + s
-                sok = col < n
-                k_s = tl.load(k + (t0 + col) * H * K + h * K + d, mask=kmask & sok, other=0.0).to(tl.float32)
-                g_s = tl.load(G + (t0 + col) * H * K + h * K + d, mask=kmask & sok, other=0.0)
-                ok = (rok & (rows >= col))[:, None] & kmask[None, :]
-                e = tl.exp(tl.where(ok, g_i - g_s[None, :], float("-inf")))
-                mq = tl.where(t[None, :] == col, tl.sum(q_i * k_s[None, :] * e, 1)[:, None], mq)
-                lk = tl.where(t[None, :] == col, tl.sum(k_i * k_s[None, :] * e, 1)[:, None], lk)
+        mq = tl.zeros([16, 64], dtype=tl.float32)
+        lk = tl.zeros([16, 64], dtype=tl.float32)
+        for kc in range(0, K, KS):
+            dc = kc + tl.arange(0, KS)
+            q_i = row_block(q, t0, r0, n, H * K, h * K, dc, K)
+            k_i = row_block(k, t0, r0, n, H * K, h * K, dc, K)
+            g_i = row_block(G, t0, r0, n, H * K, h * K, dc, K)
+            k_c = load_tile(k, t0, n, h, H, K, kc, KS)
+            g_c = load_tile(G, t0, n, h, H, K, kc, KS)
+            e_row, e_col = decay_factors(g_c, g_i, G, t0, r0, n, h, H, K, dc, SAFE_GATE)
+            kl = to_dot(k_c * e_col, DOT_BF16)
+            mq = tl.dot(to_dot(q_i * e_row, DOT_BF16), tl.trans(kl), mq)
+            lk = tl.dot(to_dot(k_i * e_row, DOT_BF16), tl.trans(kl), lk)
+            if not SAFE_GATE:
+                for s in range(16):  # diagonal tile, position by position (unbounded gate)
+                    col = r0 + s
+                    sok = col < n
+                    cmask = (dc < K) & sok
+                    k_s = tl.load(k + (t0 + col) * H * K + h * K + dc, mask=cmask, other=0.0).to(tl.float32)
+                    g_s = tl.load(G + (t0 + col) * H * K + h * K + dc, mask=cmask, other=0.0)
+                    ok = (rok & (rows >= col))[:, None] & (dc < K)[None, :]
+                    e = tl.exp(tl.where(ok, g_i - g_s[None, :], float("-inf")))
+                    mq += tl.where(t[None, :] == col, tl.sum(q_i * k_s[None, :] * e, 1)[:, None], 0.0)
+                    lk += tl.where(t[None, :] == col, tl.sum(k_i * k_s[None, :] * e, 1)[:, None], 0.0)
         valid = rok[:, None] & row_ok[None, :]
         mq = tl.where(valid & (t[None, :] <= rows[:, None]), mq * scale, 0.0)
         lk = tl.where(valid & (t[None, :] < rows[:, None]), lk * b_i[:, None], 0.0)
@@ -145,7 +169,8 @@ def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, chunk_start, chunk_len,
     a_inv = tl.load(a_base + (t0 + t)[:, None] * (H * 64) + t[None, :], mask=row_ok[:, None], other=0.0)
     a_dot = to_dot(a_inv, DOT_BF16)
     b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
-    kb = k_all * b_all[:, None] * tl.exp(g_all)
+    kb = tl.load(k + offs_k, mask=m2, other=0.0).to(tl.float32) * b_all[:, None]
+    kb *= tl.exp(tl.load(G + offs_k, mask=m2, other=0.0))
     w = tl.dot(a_dot, to_dot(kb, DOT_BF16))
     tl.store(W + offs_k, w.to(W.dtype.element_ty), mask=m2)
     for v0 in range(0, V, BV):

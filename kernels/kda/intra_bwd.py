@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import gate_grads
-from kernels.kda.intra import dot_split, to_dot
-from kernels.kda.state import load_chunk, state_offsets, store_chunk
+from kernels.kda.intra import dot_split, load_tile, store_tile, to_dot
 
 
 @triton.jit
@@ -37,23 +36,23 @@ def intra_bwd_dv_kernel(v, beta, U, dU, dO, Ainv, dM_buf, dL_buf, dv, dbeta_part
     t = tl.arange(0, 64)
     row_ok = t < n
     b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
-    a_dot_t = tl.trans(to_dot(load_chunk(Ainv, t0, n, h, H, 64, 0, 64), DOT_BF16))
+    a_dot_t = tl.trans(to_dot(load_tile(Ainv, t0, n, h, H, 64, 0, 64), DOT_BF16))
     d_m = tl.zeros([64, 64], dtype=tl.float32)
     d_l = tl.zeros([64, 64], dtype=tl.float32)
     d_b = tl.zeros([64], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        u = load_chunk(U, t0, n, h, H, V, v0, BV)
-        du = to_dot(load_chunk(dU, t0, n, h, H, V, v0, BV), DOT_BF16)
-        do = to_dot(load_chunk(dO, t0, n, h, H, V, v0, BV), DOT_BF16)
-        vv = load_chunk(v, t0, n, h, H, V, v0, BV)
+        u = load_tile(U, t0, n, h, H, V, v0, BV)
+        du = to_dot(load_tile(dU, t0, n, h, H, V, v0, BV), DOT_BF16)
+        do = to_dot(load_tile(dO, t0, n, h, H, V, v0, BV), DOT_BF16)
+        vv = load_tile(v, t0, n, h, H, V, v0, BV)
         d_m += tl.dot(do, tl.trans(to_dot(u, DOT_BF16)))
         d_vb = tl.dot(a_dot_t, du)  # Ainv^T du
         d_l -= dot_split(d_vb, tl.trans(u), True, DOT_BF16)
-        store_chunk(dv, d_vb * b_all[:, None], t0, n, h, H, V, v0, BV)
+        store_tile(dv, d_vb * b_all[:, None], t0, n, h, H, V, v0, BV)
         d_b += tl.sum(d_vb * vv, 1)
     valid = row_ok[:, None] & row_ok[None, :]
-    store_chunk(dL_buf, tl.where(valid & (t[None, :] < t[:, None]), d_l, 0.0), t0, n, h, H, 64, 0, 64)
-    store_chunk(dM_buf, tl.where(valid & (t[None, :] <= t[:, None]), d_m * scale, 0.0), t0, n, h, H, 64, 0, 64)
+    store_tile(dL_buf, tl.where(valid & (t[None, :] < t[:, None]), d_l, 0.0), t0, n, h, H, 64, 0, 64)
+    store_tile(dM_buf, tl.where(valid & (t[None, :] <= t[:, None]), d_m * scale, 0.0), t0, n, h, H, 64, 0, 64)
     tl.store(dbeta_parts + (t0 + t) * H + h, d_b, mask=row_ok)
 
 
@@ -88,18 +87,18 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
         dS = tl.load(tl.make_block_ptr(dhbuf + (c * H + h) * K * V, (K, V), (V, 1), (kc, v0), (BKT, BV), (1, 0)),
                      boundary_check=(0, 1), padding_option="zero")
         S_t = tl.trans(to_dot(S, DOT_BF16))
-        d_w -= tl.dot(to_dot(load_chunk(dU, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
-        d_qg += tl.dot(to_dot(load_chunk(dO, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
-        d_kgl += tl.dot(to_dot(load_chunk(U, t0, n, h, H, V, v0, BV), DOT_BF16), tl.trans(to_dot(dS, DOT_BF16)))
+        d_w -= tl.dot(to_dot(load_tile(dU, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
+        d_qg += tl.dot(to_dot(load_tile(dO, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
+        d_kgl += tl.dot(to_dot(load_tile(U, t0, n, h, H, V, v0, BV), DOT_BF16), tl.trans(to_dot(dS, DOT_BF16)))
         d_glast += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
 
     # 2) through w = Ainv kb (kb = beta k e^G), kgl = k e^{Gl - G}, qg = scale q e^G
-    q_c = load_chunk(q, t0, n, h, H, K, kc, BKT)
-    k_c = load_chunk(k, t0, n, h, H, K, kc, BKT)
-    g_c = load_chunk(G, t0, n, h, H, K, kc, BKT)
+    q_c = load_tile(q, t0, n, h, H, K, kc, BKT)
+    k_c = load_tile(k, t0, n, h, H, K, kc, BKT)
+    g_c = load_tile(G, t0, n, h, H, K, kc, BKT)
     b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
     e_g = tl.exp(g_c)
-    d_kb = dot_split(tl.trans(load_chunk(Ainv, t0, n, h, H, 64, 0, 64)), d_w, False, DOT_BF16)
+    d_kb = dot_split(tl.trans(load_tile(Ainv, t0, n, h, H, 64, 0, 64)), d_w, False, DOT_BF16)
     d_k = d_kb * b_all[:, None] * e_g
     d_b = tl.sum(d_kb * k_c * e_g, 1)
     d_g = d_k * k_c
@@ -113,8 +112,8 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
     d_g += d_q * q_c
 
     # 3) dMqk, dL through the decayed products, one 16-row block (reference row r) at a time
-    d_m = to_dot(load_chunk(dM_buf, t0, n, h, H, 64, 0, 64), DOT_BF16)  # rounded once: both sides of a pair
-    d_l = to_dot(load_chunk(dL_buf, t0, n, h, H, 64, 0, 64), DOT_BF16)  # see the same value and cancel exactly
+    d_m = to_dot(load_tile(dM_buf, t0, n, h, H, 64, 0, 64), DOT_BF16)  # rounded once: both sides of a pair
+    d_l = to_dot(load_tile(dL_buf, t0, n, h, H, 64, 0, 64), DOT_BF16)  # see the same value and cancel exactly
     kb_c = k_c * b_all[:, None]
     for r0 in range(0, n, 16):  # a loop, not unrolled: one block's temporaries live at a time
         g_r = load_col(G, t0, tl.minimum(r0, n - 1), h, H, K, kc, BKT, True)
@@ -157,7 +156,7 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
     # 4) dg = reverse cumsum of dG over the chunk, then through the gate activation
     d_gate = tl.where(m2, tl.sum(d_g, 0)[None, :] - tl.cumsum(d_g, 0) + d_g, 0.0)
     if GATE != 0:
-        x = load_chunk(f, t0, n, h, H, K, kc, BKT)
+        x = load_tile(f, t0, n, h, H, K, kc, BKT)
         a = 1.0
         if HAS_A:
             a = tl.exp(tl.load(A_log + h).to(tl.float32))
@@ -170,7 +169,7 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
         d_gate = tl.where(m2, d_gate * dg_dx, 0.0)
         if HAS_BIAS:
             tl.store(ddt_parts + (c * H + h) * K + d, tl.sum(d_gate, 0), mask=kmask)
-    store_chunk(dq, d_q, t0, n, h, H, K, kc, BKT)
-    store_chunk(dk, d_k, t0, n, h, H, K, kc, BKT)
-    store_chunk(dg, d_gate, t0, n, h, H, K, kc, BKT)
+    store_tile(dq, d_q, t0, n, h, H, K, kc, BKT)
+    store_tile(dk, d_k, t0, n, h, H, K, kc, BKT)
+    store_tile(dg, d_gate, t0, n, h, H, K, kc, BKT)
     tl.store(dbeta_parts + (1 + kt) * part_stride + (t0 + t) * H + h, d_b, mask=row_ok)

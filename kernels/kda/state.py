@@ -13,23 +13,18 @@ from kernels.kda.intra import to_dot
 
 
 @triton.jit
-def chunk_block(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
-    """Block pointer to a [64, BD] tile of a [T, H, D] tensor: tokens t0..t0+n-1, columns col0..col0+BD-1.
-    Block pointers (bounds instead of per-element masks and 64-bit addresses) keep the loops over V from
-    holding a hoisted pointer tensor per operand in registers."""
-    return tl.make_block_ptr(ptr + t0 * (H * D) + h * D, (n, D), (H * D, 1), (0, col0), (64, BD), (1, 0))
-
-
-@triton.jit
 def load_chunk(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
-    """[64, BD] fp32 tile of a [T, H, D] tensor: tokens t0..t0+n-1, columns col0..col0+BD-1 (zero outside)."""
-    block = chunk_block(ptr, t0, n, h, H, D, col0, BD)
-    return tl.load(block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+    """[64, BD] fp32 tile of a [T, H, D] tensor: tokens t0..t0+n-1, columns col0..col0+BD-1."""
+    t, e = tl.arange(0, 64), col0 + tl.arange(0, BD)
+    mask = (t < n)[:, None] & (e < D)[None, :]
+    return tl.load(ptr + (t0 + t)[:, None] * (H * D) + h * D + e[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def store_chunk(ptr, x, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
-    tl.store(chunk_block(ptr, t0, n, h, H, D, col0, BD), x.to(ptr.dtype.element_ty), boundary_check=(0, 1))
+    t, e = tl.arange(0, 64), col0 + tl.arange(0, BD)
+    mask = (t < n)[:, None] & (e < D)[None, :]
+    tl.store(ptr + (t0 + t)[:, None] * (H * D) + h * D + e[None, :], x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
