@@ -21,9 +21,10 @@ CHUNK = 64
 INTRA_FWD_CONFIG = dict(BV=32, num_warps=8)
 STATE_CONFIG = dict(BV=32, num_warps=8)
 OUTPUT_CONFIG = dict(BV=64, num_warps=4)
+GATE_CONFIG = dict(num_warps=8)  # gate cumsum + L2 norm of q and k
 DV_CONFIG = dict(BV=32, num_warps=8, num_stages=3)
 DQKG_CONFIG = dict(BV=32, num_warps=8, num_stages=1)
-BKT = 32  # K tile of intra_bwd_dqkg_kernel
+BKT = 16  # K tile of intra_bwd_dqkg_kernel
 KS = 64  # K slice of the decayed products in intra_fwd_kernel
 L2_ROWS = 32  # rows per program of the L2-norm backward
 
@@ -56,7 +57,7 @@ def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm):
     gate_cumsum_kernel[(meta.num_chunks, H)](
         f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn,
         meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, H=H, K=K, BK=_block_k(K), GATE=gate,
-        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm)
+        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm, **GATE_CONFIG)
     return G, qn, kn
 
 

@@ -1,0 +1,72 @@
+"""The KDA kernels compile for Hopper (sm_90) without a GPU and use no local memory for spills at D = 128.
+
+Each kernel is compiled (triton frontend to cubin, bundled ptxas) with the constexprs and launch config
+chunk.py uses for bf16 inputs, K = V = 128; ptxas -v reports registers and spill bytes.
+"""
+
+import os
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs the compiling JIT, not the interpreter")
+
+D = 128
+POINTER_FP32 = {"G", "Ainv", "A_log", "dt_bias", "h0", "ht", "dht", "dh0", "dq", "dk", "dxn", "dbeta_parts",
+                "dA_parts", "ddt_parts"}
+INTS = {"H", "part_stride", "rows"}
+FLOATS = {"scale", "lower_bound", "eps"}
+INDEX = {"chunk_start", "chunk_len", "seq_chunks"}
+
+
+def signature(kernel, constexprs):
+    """bf16 tensors except the fp32 ones (gates, states, gradients before the L2-norm backward, partial sums)."""
+    def kind(name):
+        if name in INTS:
+            return "i32"
+        if name in FLOATS:
+            return "fp32"
+        if name in INDEX:
+            return "*i32"
+        return "*fp32" if name in POINTER_FP32 else "*bf16"
+    return {name: kind(name) for name in kernel.arg_names if name not in constexprs}
+
+
+def kernel_cases():
+    from kernels.kda import chunk
+    from kernels.kda.gate import GATE_LOWER_BOUND, gate_cumsum_kernel
+    from kernels.kda.intra import intra_fwd_kernel
+    from kernels.kda.intra_bwd import intra_bwd_dqkg_kernel, intra_bwd_dv_kernel
+    from kernels.kda.l2norm import l2norm_bwd_kernel
+    from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
+
+    dims = dict(K=D, V=D, BK=D, DOT_BF16=True)
+    gate = dict(GATE=GATE_LOWER_BOUND, HAS_A=True, HAS_BIAS=True)
+    return {
+        "gate_cumsum": (gate_cumsum_kernel, dict(K=D, BK=D, NORM=True, **gate), chunk.GATE_CONFIG),
+        "intra_fwd": (intra_fwd_kernel, dict(dims, SAFE_GATE=True, KS=chunk.KS), chunk.INTRA_FWD_CONFIG),
+        "state_fwd": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), chunk.STATE_CONFIG),
+        "output": (output_kernel, dims, chunk.OUTPUT_CONFIG),
+        "state_bwd": (state_bwd_kernel, dict(dims, HAS_DHT=True, HAS_H0=True), chunk.STATE_CONFIG),
+        "intra_bwd_dv": (intra_bwd_dv_kernel, dict(V=D, DOT_BF16=True), chunk.DV_CONFIG),
+        "intra_bwd_dqkg": (intra_bwd_dqkg_kernel, dict(K=D, V=D, BKT=chunk.BKT, SAFE_GATE=True, DOT_BF16=True, **gate),
+                           chunk.DQKG_CONFIG),
+        "l2norm_bwd": (l2norm_bwd_kernel, dict(K=D, BK=D, BR=chunk.L2_ROWS), {}),
+    }
+
+
+NAMES = ["gate_cumsum", "intra_fwd", "state_fwd", "output", "state_bwd", "intra_bwd_dv", "intra_bwd_dqkg",
+         "l2norm_bwd"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kda_kernel_compiles_for_hopper_without_spills(name):
+    from kernels._compile_check import compile_for, resources
+
+    kernel, constexprs, config = kernel_cases()[name]
+    constexprs = {**constexprs, **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
+    compiled = compile_for(kernel, signature(kernel, constexprs), constexprs, num_warps=config.get("num_warps", 4),
+                           num_stages=config.get("num_stages", 3))
+    used = resources(compiled)
+    assert "cubin" in compiled.asm
+    assert used.spill_stores == 0 and used.spill_loads == 0, f"{name}: {used}"
