@@ -9,11 +9,8 @@ import pytest
 def test_kernels_compile_for_hopper_without_a_gpu():
     # The interpreter accepts code the compiler may not; compile both kernels for sm_90
     # (frontend to cubin with triton's bundled ptxas), as the GPU run would.
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     import kernels.attn_res.fused as fused
+    from kernels._compile_check import compile_for
 
     n, hidden = 3, 48
     cfg = fused.launch_config(hidden, fused.FORWARD_TILE_ELEMENTS)
@@ -27,7 +24,5 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     }
     constexprs = {"N": n, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h}
     for kernel, extra in signatures.items():
-        signature = {**common, **extra, **{name: "constexpr" for name in constexprs}}
-        source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+        compiled = compile_for(kernel, {**common, **extra}, constexprs, num_warps=cfg.num_warps)
         assert "cubin" in compiled.asm
