@@ -116,6 +116,13 @@ def test_saturated_gate_at_lower_bound():
     assert_match(run_pair(x, "lower_bound", l2norm=False), 1e-4, NAMES)
 
 
+@pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
+def test_head_dim_128(gate):
+    """K = 128 as on the GPU: several K slices in intra_fwd_kernel and K tiles in intra_bwd_dqkg_kernel."""
+    x = make_inputs(1, 70, 1, 128, 32, seed=13)
+    assert_match(run_pair(x, gate), 1e-4, NAMES)
+
+
 def test_sequence_shorter_than_a_tile():
     assert_match(run_pair(make_inputs(1, 7, 2, 16, 16, seed=11), "lower_bound"), 1e-4, NAMES)
 
