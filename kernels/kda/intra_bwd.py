@@ -57,10 +57,10 @@ def intra_bwd_dv_kernel(v, beta, U, dU, dO, Ainv, dM_buf, dL_buf, dv, dbeta_part
 
 
 @triton.jit
-def load_col(ptr, t0, col, h, H, D: tl.constexpr, kc, BKT: tl.constexpr, ok):
+def load_col(ptr, t0, col, h, H, D: tl.constexpr, kc, BKT: tl.constexpr):
     """Row `col` of a chunk, columns kc..kc+BKT-1, fp32 [BKT]."""
     d = kc + tl.arange(0, BKT)
-    return tl.load(ptr + (t0 + col) * H * D + h * D + d, mask=(d < D) & ok, other=0.0).to(tl.float32)
+    return tl.load(ptr + (t0 + col) * H * D + h * D + d, mask=d < D, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
     d_k = d_kb * b_all[:, None] * e_g
     d_b = tl.sum(d_kb * k_c * e_g, 1)
     d_g = d_k * k_c
-    g_last = load_col(G, t0, n - 1, h, H, K, kc, BKT, True)
+    g_last = load_col(G, t0, n - 1, h, H, K, kc, BKT)
     e_l = tl.exp(tl.where(m2, g_last[None, :] - g_c, float("-inf")))
     d_k += d_kgl * e_l
     d_g -= d_kgl * k_c * e_l
@@ -116,7 +116,7 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
     d_l = to_dot(load_tile(dL_buf, t0, n, h, H, 64, 0, 64), DOT_BF16)  # see the same value and cancel exactly
     kb_c = k_c * b_all[:, None]
     for r0 in range(0, n, 16):  # a loop, not unrolled: one block's temporaries live at a time
-        g_r = load_col(G, t0, tl.minimum(r0, n - 1), h, H, K, kc, BKT, True)
+        g_r = load_col(G, t0, tl.minimum(r0, n - 1), h, H, K, kc, BKT)
         in_block = (t >= r0) & (t < r0 + 16) & row_ok
         e_row = tl.exp(tl.where(in_block[:, None] & kmask[None, :], g_c - g_r[None, :], float("-inf")))
         if SAFE_GATE:
@@ -137,8 +137,8 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
         d_b += tl.sum(k_c * r_k, 1)
     if not SAFE_GATE:  # diagonal tiles position by position (unbounded gate): exp(G_t - G_s), t >= s, same tile
         for s in range(0, n):
-            k_s = load_col(k, t0, s, h, H, K, kc, BKT, True)
-            g_s = load_col(G, t0, s, h, H, K, kc, BKT, True)
+            k_s = load_col(k, t0, s, h, H, K, kc, BKT)
+            g_s = load_col(G, t0, s, h, H, K, kc, BKT)
             ok = (t >= s) & (t < (s // 16) * 16 + 16) & row_ok
             e = tl.exp(tl.where(ok[:, None] & kmask[None, :], g_c - g_s[None, :], float("-inf")))
             dm_s = tl.load(dM_buf + (t0 + t) * H * 64 + h * 64 + s, mask=row_ok, other=0.0).to(tl.float32)
