@@ -19,12 +19,12 @@ BLOCKS_OF_2 = dict(attn_res=True, attn_res_num_blocks=4)  # boundary widths 2, 3
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ref_attn_res"))
-    run_distributed(runner.save_reference, 1, ckpt, BLOCKS_OF_4)
+    run_distributed(harness.save_reference, 1, ckpt, False, BLOCKS_OF_4, runner.randomise_mixers)
     windows = harness.make_batches()
 
     @functools.cache
     def one_rank(blocks: int):
-        (one,) = run_distributed(runner.run_layout, 1, {}, ckpt, windows, dict(attn_res=True, attn_res_num_blocks=blocks))
+        (one,) = run_distributed(harness.run_layout, 1, {}, ckpt, False, windows, dict(attn_res=True, attn_res_num_blocks=blocks))
         return one
 
     return ckpt, windows, one_rank
@@ -57,7 +57,7 @@ RECOMPUTE_BLOCK = dict(recompute_granularity="full", recompute_method="block", r
 def test_layout_matches_one_rank(reference, world, layout, overrides):
     ckpt, windows, one_rank = reference
     one = one_rank(overrides["attn_res_num_blocks"])
-    results = run_distributed(runner.run_layout, world, layout, ckpt, windows, overrides)
+    results = run_distributed(harness.run_layout, world, layout, ckpt, False, windows, overrides)
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert losses and all(abs(l - one["loss"]) < 1e-5 for l in losses), (losses, one["loss"])
     harness.assert_grads_match(one["grads"], results, rtol=1e-4, atol=1e-6)

@@ -18,8 +18,6 @@ from megatron_ext import cpu_compat
 from tests.parallel import harness
 
 SEQ, BATCH, HIDDEN = 16, 2, 32
-# The harness's tiny model (kv_channels 8) with KDA layers of head dim 16 (the kernel's minimum).
-KDA_FIELDS = dict(attention_pattern="KKKA", kda_num_heads=2, kda_head_dim=16, kda_gate_rank=8)
 
 
 # --- one KDA layer -------------------------------------------------------------------------------
@@ -79,37 +77,3 @@ def layer_tensor_parallel(rank, world_size, ckpt_dir: str):
         layer.load_state_dict(dist_checkpointing.load(layer.sharded_state_dict(), ckpt_dir))
         results[sp] = _run_layer(layer, *_inputs(), sequence_parallel=sp)
     return results
-
-
-# --- the tiny hybrid model -----------------------------------------------------------------------
-def _setup_model(layout: dict):
-    from megatron_ext.parallel import build_model_chunks, initialize_parallel
-
-    cpu_compat.install()
-    config = harness.tiny_config(layout, False, **KDA_FIELDS)
-    initialize_parallel(config, harness.SEED)
-    return config, build_model_chunks(config)
-
-
-def _forward_backward(config, chunks, windows):
-    from megatron_ext.parallel import wrap_ddp
-    from megatron_ext.training.step import forward_backward
-
-    ddp_chunks = wrap_ddp(chunks, config)
-    for c in ddp_chunks:
-        c.zero_grad_buffer()
-    loss = forward_backward(ddp_chunks, harness.microbatches_for_rank(windows), harness.SEQ, harness.MICRO_BATCH)
-    return {"loss": loss, "grads": harness.collect_grads(ddp_chunks)}
-
-
-def model_reference(rank, world_size, ckpt_dir: str, windows: torch.Tensor):
-    """One rank: build the KKKA model from the seed, save its weights, run one global batch."""
-    config, chunks = _setup_model({})
-    dist_checkpointing.save({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, ckpt_dir)
-    return _forward_backward(config, chunks, windows)
-
-
-def model_layout(rank, world_size, layout: dict, ckpt_dir: str, windows: torch.Tensor):
-    config, chunks = _setup_model(layout)
-    harness.load_weights(chunks, ckpt_dir)
-    return _forward_backward(config, chunks, windows)

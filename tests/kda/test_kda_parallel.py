@@ -1,4 +1,5 @@
-"""KDA under tensor/sequence/pipeline parallelism equals one rank (CPU, gloo, fp32)."""
+"""The KDA layer under tensor (and sequence) parallelism equals one rank (CPU, gloo, fp32); the
+hybrid model's layouts (KDA + MoE, TP/PP/EP/DP) are checked in tests/parallel/test_parity.py."""
 
 import pytest
 import torch
@@ -26,30 +27,3 @@ def test_tp2_layer_matches_one_rank(tmp_path):
         torch.testing.assert_close(out, one["out"], rtol=1e-4, atol=1e-5, msg=f"sp={sp} output")
         torch.testing.assert_close(dx, one["dx"], rtol=1e-4, atol=1e-5, msg=f"sp={sp} input grad")
         harness.assert_grads_match(one["grads"], results, rtol=1e-4, atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def model_reference(tmp_path_factory):
-    ckpt = str(tmp_path_factory.mktemp("ref_kda_model"))
-    windows = harness.make_batches()
-    (one,) = run_distributed(runner.model_reference, 1, ckpt, windows)
-    assert one["loss"] is not None and torch.isfinite(torch.tensor(one["loss"]))
-    keys = {key for key, *_ in one["grads"]}
-    assert any(".self_attention.A_log" in k for k in keys), "the model has no KDA layer"
-    return ckpt, windows, one
-
-
-@pytest.mark.parametrize(
-    "layout",
-    [
-        dict(tensor_model_parallel_size=2, sequence_parallel=True),
-        dict(pipeline_model_parallel_size=2),
-    ],
-    ids=["tp2_sp", "pp2"],
-)
-def test_hybrid_model_layout_matches_one_rank(model_reference, layout):
-    ckpt, windows, one = model_reference
-    results = run_distributed(runner.model_layout, 2, layout, ckpt, windows)
-    losses = [r["loss"] for r in results if r["loss"] is not None]
-    assert losses and all(abs(l - one["loss"]) < 1e-5 for l in losses), (losses, one["loss"])
-    harness.assert_grads_match(one["grads"], results, rtol=1e-4, atol=1e-6)

@@ -1,41 +1,17 @@
 """Fused Triton depth-attention kernel vs the PyTorch reference, on the CPU interpreter.
 
-Triton's interpreter must be chosen before triton is first imported, and other test modules
-in the same run may import it earlier. So the kernel cases below only run in a fresh
-subprocess with ``TRITON_INTERPRET=1``, started by ``test_kernel_cases_under_interpreter``;
-that test fails with the subprocess's report if any case fails. In the parent run the cases
-show as skipped with that explanation. Inputs are fp32/fp16 (the interpreter's bf16 maths is
+The cases run in a ``TRITON_INTERPRET=1`` subprocess started by ``test_cases_under_interpreter``
+(see tests/kernels/interpreter.py). Inputs are fp32/fp16 (the interpreter's bf16 maths is
 wrong); bf16 on the GPU lives in test_attn_res_gpu.py.
 """
-
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kernels.attn_res import depth_attention, depth_attention_reference
+from tests.kernels.interpreter import interpreter_case, launcher_test
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreter_case = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in test_kernel_cases_under_interpreter's TRITON_INTERPRET=1 subprocess"
-)
-
-
-@pytest.mark.skipif(INTERPRETED, reason="this is the launcher of the interpreter subprocess")
-def test_kernel_cases_under_interpreter():
-    repo_root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(repo_root))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    result = subprocess.run(cmd, cwd=repo_root, env=env, capture_output=True, text=True, timeout=600)
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report
-    # Every case must have run in the subprocess: only the launcher itself may be skipped there.
-    summary = report.strip().splitlines()[-1]
-    assert re.search(r"\b\d+ passed", summary) and not re.search(r"\b([2-9]|\d\d+) skipped", summary), report
+test_cases_under_interpreter = launcher_test(__file__)
 
 
 def _inputs(n, tokens, hidden, seed=0, dtype=torch.float32):

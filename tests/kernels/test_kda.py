@@ -1,15 +1,14 @@
-"""KDA chunked kernels vs the fp32 references (CPU: Triton interpreter, fp32; GPU: bf16)."""
-
-import os
+"""KDA chunked kernels vs the fp32 references (CPU: Triton interpreter, fp32, in a subprocess
+started by ``test_cases_under_interpreter`` (tests/kernels/interpreter.py); GPU: bf16)."""
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # must precede the first import of the kernels (triton.jit reads it)
-    os.environ["TRITON_INTERPRET"] = "1"
+from kernels.kda import (chunk_kda, kda_gate_lower_bound, kda_gate_softplus, naive_chunk_kda,
+                         naive_recurrent_kda)
+from tests.kernels.interpreter import interpreter_case, launcher_test
 
-from kernels.kda import (chunk_kda, kda_gate_lower_bound, kda_gate_softplus,  # noqa: E402
-                         naive_chunk_kda, naive_recurrent_kda)
+test_cases_under_interpreter = launcher_test(__file__)
 
 NAMES = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "h0")
 
@@ -83,12 +82,14 @@ def test_chunked_reference_equals_recurrence():
     assert rel_err(o2, o1) < 1e-5 and rel_err(s2, s1) < 1e-5
 
 
+@interpreter_case
 def test_lower_bound_gate_in_kernel_batched():
     """B=2, T=100 (not a multiple of 64), l2norm, in-kernel gate, initial and final state."""
     results = run_pair(make_inputs(2, 100, 2, 16, 32), "lower_bound")
     assert_match(results, 1e-4, NAMES)
 
 
+@interpreter_case
 def test_softplus_gate_in_kernel():
     """Unbounded gate: the diagonal tiles take the per-position path; A_log large to make decays strong."""
     x = make_inputs(1, 40, 1, 16, 16, seed=3)
@@ -96,6 +97,7 @@ def test_softplus_gate_in_kernel():
     assert_match(run_pair(x, "softplus"), 1e-4, NAMES)
 
 
+@interpreter_case
 def test_precomputed_gate_varlen():
     """Packed sequences of 30, 70 (crossing a chunk boundary) and 30 tokens, each with its own state."""
     x = make_inputs(1, 130, 1, 32, 16, N=3, seed=5)
@@ -105,6 +107,7 @@ def test_precomputed_gate_varlen():
     assert_match(results, 1e-4, ("q", "k", "v", "g", "beta", "h0"))
 
 
+@interpreter_case
 def test_saturated_gate_at_lower_bound():
     """Every g at the bound (-5): the widest exponent span inside a tile (15 * 5 = 75 nats)."""
     x = make_inputs(1, 80, 1, 16, 16, seed=7)
@@ -116,6 +119,7 @@ def test_saturated_gate_at_lower_bound():
     assert_match(run_pair(x, "lower_bound", l2norm=False), 1e-4, NAMES)
 
 
+@interpreter_case
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_head_dim_128(gate):
     """K = 128 as on the GPU: several K slices in intra_fwd_kernel and K tiles in intra_bwd_dqkg_kernel."""
@@ -123,6 +127,7 @@ def test_head_dim_128(gate):
     assert_match(run_pair(x, gate), 1e-4, NAMES)
 
 
+@interpreter_case
 def test_sequence_shorter_than_a_tile():
     assert_match(run_pair(make_inputs(1, 7, 2, 16, 16, seed=11), "lower_bound"), 1e-4, NAMES)
 

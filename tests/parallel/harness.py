@@ -29,6 +29,8 @@ TINY = dict(
     vocab_size=257,
     max_sequence_length=SEQ,
 )
+# The hybrid layer pattern: 3 KDA layers : 1 full attention (KDA head dim 16 is the kernel's minimum).
+HYBRID = dict(attention_pattern="KKKA", kda_num_heads=2, kda_head_dim=16, kda_gate_rank=8)
 TINY_MOE = dict(
     num_moe_experts=4,
     moe_router_topk=2,
@@ -90,18 +92,23 @@ def _sharded_tensors(tree):
         yield tree
 
 
-def _setup(layout: dict, moe: bool, **overrides):
+def setup(layout: dict, moe: bool, overrides: dict | None = None):
+    """Parallel state and this rank's model chunks for the tiny config under ``layout``."""
     from megatron_ext.parallel import build_model_chunks, initialize_parallel
 
     cpu_compat.install()
-    config = tiny_config(layout, moe, **overrides)
+    config = tiny_config(layout, moe, **(overrides or {}))
     initialize_parallel(config, SEED)
     return config, build_model_chunks(config)
 
 
-def save_reference(rank, world_size, ckpt_dir: str, moe: bool):
-    """One-rank: build the model from the seed and save its weights."""
-    _, chunks = _setup({}, moe)
+def save_reference(rank, world_size, ckpt_dir: str, moe: bool, overrides: dict | None = None,
+                   prepare=None):
+    """One rank: build the model from the seed, ``prepare(chunks)`` it (e.g. randomise weights
+    that start at a constant), save its weights."""
+    _, chunks = setup({}, moe, overrides)
+    if prepare is not None:
+        prepare(chunks)
     dist_checkpointing.save(_sharded(chunks), ckpt_dir)
     return True
 
@@ -136,12 +143,13 @@ def collect_grads(ddp_chunks) -> list[tuple[str, tuple, tuple, torch.Tensor]]:
     return out
 
 
-def run_layout(rank, world_size, layout: dict, ckpt_dir: str, moe: bool, windows: torch.Tensor):
+def run_layout(rank, world_size, layout: dict, ckpt_dir: str, moe: bool, windows: torch.Tensor,
+               overrides: dict | None = None):
     """Load the reference weights under ``layout``, run one global batch, return loss + grads."""
     from megatron_ext.parallel import wrap_ddp
     from megatron_ext.training.step import forward_backward
 
-    config, chunks = _setup(layout, moe)
+    config, chunks = setup(layout, moe, overrides)
     load_weights(chunks, ckpt_dir)
     ddp_chunks = wrap_ddp(chunks, config)
     for c in ddp_chunks:

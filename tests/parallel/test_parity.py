@@ -1,4 +1,5 @@
-"""The tiny hybrid MoE model gives the one-rank loss and gradients under every parallel layout.
+"""The tiny hybrid MoE model (3 KDA : 1 full attention, MoE layers) gives the one-rank loss and
+gradients under every parallel layout.
 
 fp32 on CPU over gloo; every layout loads the same one-rank weights (see harness.py).
 """
@@ -14,9 +15,12 @@ SP_TP2 = dict(tensor_model_parallel_size=2, sequence_parallel=True)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ref_moe"))
-    run_distributed(harness.save_reference, 1, ckpt, True)
+    run_distributed(harness.save_reference, 1, ckpt, True, harness.HYBRID)
     windows = harness.make_batches()
-    (one,) = run_distributed(harness.run_layout, 1, {}, ckpt, True, windows)
+    (one,) = run_distributed(harness.run_layout, 1, {}, ckpt, True, windows, harness.HYBRID)
+    keys = {key for key, *_ in one["grads"]}
+    assert any(".self_attention.A_log" in k for k in keys), "the model has no KDA layer"
+    assert any(".mlp.experts." in k for k in keys), "the model has no MoE layer"
     return ckpt, windows, one
 
 
@@ -34,7 +38,7 @@ def reference(tmp_path_factory):
 )
 def test_layout_matches_one_rank(reference, world, layout):
     ckpt, windows, one = reference
-    results = run_distributed(harness.run_layout, world, layout, ckpt, True, windows)
+    results = run_distributed(harness.run_layout, world, layout, ckpt, True, windows, harness.HYBRID)
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert losses and all(abs(l - one["loss"]) < 1e-5 for l in losses), (losses, one["loss"])
     harness.assert_grads_match(one["grads"], results, rtol=1e-4, atol=1e-6)
