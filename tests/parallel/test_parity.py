@@ -42,3 +42,25 @@ def test_layout_matches_one_rank(reference, world, layout):
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert losses and all(abs(l - one["loss"]) < 1e-5 for l in losses), (losses, one["loss"])
     harness.assert_grads_match(one["grads"], results, rtol=1e-4, atol=1e-6)
+
+
+# All three techniques at once: KDA 3:1, quantile balancing (capacity + dual bias), Block AttnRes
+# with random depth mixers (blocks of 2 sublayers, so the PP boundary cuts no block and both
+# stages carry block sums), on TP2 x PP2 x EP2 = 8 processes.
+ALL_THREE = dict(**harness.HYBRID, attn_res=True, attn_res_num_blocks=4, moe_balancer="qb_both",
+                 moe_expert_capacity_factor=1.25)
+
+
+def test_all_three_techniques_on_tp2_pp2_ep2_match_one_rank(tmp_path):
+    from tests.attn_res.runner import randomise_mixers
+
+    ckpt = str(tmp_path)
+    run_distributed(harness.save_reference, 1, ckpt, True, ALL_THREE, randomise_mixers)
+    windows = harness.make_batches()
+    (one,) = run_distributed(harness.run_layout, 1, {}, ckpt, True, windows, ALL_THREE)
+    layout = dict(**SP_TP2, pipeline_model_parallel_size=2, expert_model_parallel_size=2)
+    results = run_distributed(harness.run_layout, 8, layout, ckpt, True, windows, ALL_THREE)
+    losses = [r["loss"] for r in results if r["loss"] is not None]
+    assert losses and all(abs(l - one["loss"]) < 1e-5 for l in losses), (losses, one["loss"])
+    # fp32 reduction order differs (TP/SP all-reduces, depth mixes); 5e-6 absolute on grads ~1e-3.
+    harness.assert_grads_match(one["grads"], results, rtol=1e-4, atol=5e-6)
