@@ -93,6 +93,14 @@ def main(argv=None) -> None:
     from megatron_ext.parallel import validate_layout
 
     validate_layout(cfg[HybridConfig], world)
+    ckpt = cfg[CheckpointConfig]
+    if cfg[ParallelConfig].use_distributed_optimizer and ckpt.load and not ckpt.no_load_optim:
+        # Megatron-Core 0.19's distributed-optimizer checkpoints load only with the optimizer
+        # state layout of Transformer Engine / Apex (a per-parameter 'step'); torch Adam lacks it.
+        raise ConfigError(
+            "load: resuming the optimizer state with use_distributed_optimizer is not supported "
+            "yet; add --no-load-optim (weights, data position and RNG resume; the LR schedule restarts, as with Megatron-LM's flag)"
+        )
     init_distributed()
     model_cfg: HybridConfig = cfg[HybridConfig]
     par, train, data_cfg = cfg[ParallelConfig], cfg[TrainingConfig], cfg[DataConfig]
@@ -153,7 +161,7 @@ def main(argv=None) -> None:
             merged = {k: v for sd in model_sd.values() for k, v in sd.items()}
             state["optimizer"] = optimizer.sharded_state_dict(
                 merged, is_loading=for_loading,
-                metadata={"distrib_optim_sharding_type": "fully_sharded_model_space"},
+                metadata={"distrib_optim_sharding_type": "fully_reshardable"},
             )
         return state
 
@@ -171,7 +179,7 @@ def main(argv=None) -> None:
             state, common = loaded
             for i, c in enumerate(chunks):
                 c.module.load_state_dict(state[f"model{i}"])
-            if "optimizer" in state:
+            if not ckpt_cfg.no_load_optim:
                 optimizer.load_state_dict(state["optimizer"])
             if "scheduler" in common and not ckpt_cfg.no_load_optim:
                 scheduler.load_state_dict(common["scheduler"])

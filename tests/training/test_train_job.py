@@ -68,3 +68,12 @@ def test_bad_config_fails_at_start_naming_the_key(flags, message):
                             env={**os.environ, "WORLD_SIZE": "2"})
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr, result.stderr[-2000:]
+
+
+def test_distributed_optimizer_trains_like_ddp(tmp_path):
+    """DP2 with Megatron's distributed optimizer (sharded Adam state, reduce-scatter/all-gather)
+    follows plain DDP + Adam step for step."""
+    plain = train(tmp_path, "ddp", 2, "--train-iters", "3")
+    sharded = train(tmp_path, "distopt", 2, "--train-iters", "3", "--use-distributed-optimizer")
+    for it in (1, 2, 3):
+        assert sharded[it] == pytest.approx(plain[it], rel=1e-5), (it, sharded[it], plain[it])
