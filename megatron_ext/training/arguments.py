@@ -22,161 +22,21 @@ import re
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional, Sequence
 
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.training.sections import (  # noqa: F401  (re-exported)
+    TRAINING_SECTIONS,
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    ParallelConfig,
+    TrainingConfig,
+    _require,
+)
 
-
-def _require(ok: bool, key: str, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {allowed}")
-
-
-# --------------------------------------------------------------------- training-side sections
-
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: int = 1  # our MoE layer keeps whole experts on a rank
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
-
-    def __post_init__(self):
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "expert_model_parallel_size"):
-            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        vpp = self.virtual_pipeline_model_parallel_size
-        if vpp is not None:
-            _require(vpp >= 1, "virtual_pipeline_model_parallel_size", f"must be >= 1, got {vpp}")
-            _require(vpp == 1 or self.pipeline_model_parallel_size > 1,
-                     "virtual_pipeline_model_parallel_size",
-                     "needs pipeline_model_parallel_size > 1 (interleaved schedule)")
-        etp = self.expert_tensor_parallel_size
-        _require(etp is None or etp >= 1, "expert_tensor_parallel_size", f"must be >= 1, got {etp}")
-        _require(not self.sequence_parallel or self.tensor_model_parallel_size > 1,
-                 "sequence_parallel", "needs tensor_model_parallel_size > 1")
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """Dense data-parallel size for ``world_size`` ranks (checks divisibility)."""
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        _require(world_size % (tp * pp) == 0, "tensor_model_parallel_size",
-                 f"tensor ({tp}) x pipeline ({pp}) parallel size must divide the world size "
-                 f"({world_size})")
-        ep = self.expert_model_parallel_size
-        etp = self.expert_tensor_parallel_size or tp
-        _require((world_size // pp) % (ep * etp) == 0, "expert_model_parallel_size",
-                 f"expert ({ep}) x expert-tensor ({etp}) parallel size must divide "
-                 f"world_size / pipeline = {world_size // pp}")
-        return world_size // (tp * pp)
-
-
-@dataclass
-class TrainingConfig:
-    micro_batch_size: int = 1
-    global_batch_size: Optional[int] = None  # None: micro_batch_size x data-parallel size
-    seq_length: int = 128
-    train_iters: int = 100
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None  # None: train_iters
-    lr_decay_style: Literal["cosine", "linear", "constant"] = "cosine"
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    seed: int = 1234
-    bf16: bool = False
-
-    def __post_init__(self):
-        for key in ("micro_batch_size", "seq_length", "train_iters"):
-            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        gbs = self.global_batch_size
-        _require(gbs is None or gbs >= 1, "global_batch_size", f"must be >= 1, got {gbs}")
-        _require(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
-        _require(0 <= self.min_lr <= self.lr, "min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}")
-        decay = self.lr_decay_iters
-        _require(decay is None or decay >= 1, "lr_decay_iters", f"must be >= 1, got {decay}")
-        # Megatron's scheduler needs warmup to end before decay does.
-        decay_end = self.train_iters if decay is None else decay
-        _require(0 <= self.lr_warmup_iters < decay_end, "lr_warmup_iters",
-                 f"must be in [0, {decay_end}) (lr_decay_iters, or train_iters), "
-                 f"got {self.lr_warmup_iters}")
-        _require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        for key in ("adam_beta1", "adam_beta2"):
-            _require(0 <= getattr(self, key) < 1, key, f"must be in [0, 1), got {getattr(self, key)}")
-        _require(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
-        _require(self.clip_grad >= 0, "clip_grad", f"must be >= 0 (0 disables), got {self.clip_grad}")
-
-
-@dataclass
-class DataConfig:
-    data_path: Optional[list[str]] = None  # None: the stdlib corpus; else Megatron blend list
-    split: str = "969,30,1"  # train,valid,test weights
-    tokenizer_json: Optional[str] = None  # local Hugging Face tokenizer.json; None: bytes
-    data_cache_path: Optional[str] = None  # GPTDataset index cache; None: next to the data
-    stdlib_max_mb: Optional[float] = None  # read at most this many MB of stdlib source
-    eod_mask_loss: bool = False
-
-    def __post_init__(self):
-        _require(self.data_path is None or len(self.data_path) > 0, "data_path",
-                 "a non-empty list of .bin/.idx prefixes (optionally weight, prefix pairs), "
-                 "or null for the stdlib corpus")
-        try:
-            weights = [float(w) for w in self.split.split(",")]
-        except ValueError:
-            weights = []
-        _require(0 < len(weights) <= 3 and all(w >= 0 for w in weights) and weights[0] > 0,
-                 "split", f"comma-separated train,valid,test weights like '969,30,1', got {self.split!r}")
-        mb = self.stdlib_max_mb
-        _require(mb is None or mb > 0, "stdlib_max_mb", f"must be > 0 or null, got {mb}")
-
-    def split_weights(self) -> tuple[float, float, float]:
-        """Normalised (train, valid, test) fractions."""
-        w = [float(x) for x in self.split.split(",")] + [0.0, 0.0]
-        total = sum(w[:3])
-        return (w[0] / total, w[1] / total, w[2] / total)
-
-
-@dataclass
-class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_save_optim: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-
-    def __post_init__(self):
-        si = self.save_interval
-        _require(si is None or si >= 1, "save_interval", f"must be >= 1 or null, got {si}")
-
-
-@dataclass
-class LoggingConfig:
-    log_interval: int = 10
-    tensorboard_dir: Optional[str] = None
-    metrics_dir: Optional[str] = None  # metrics.jsonl goes here; None: no jsonl
-    eval_interval: int = 1000
-    eval_iters: int = 10  # 0 disables evaluation
-    peak_tflops: Optional[float] = None  # per-GPU peak for MFU; None: no MFU
-
-    def __post_init__(self):
-        for key in ("log_interval", "eval_interval"):
-            _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        _require(self.eval_iters >= 0, "eval_iters", f"must be >= 0, got {self.eval_iters}")
-        pk = self.peak_tflops
-        _require(pk is None or pk > 0, "peak_tflops", f"must be > 0 or null, got {pk}")
-
-
-TRAINING_SECTIONS = (ParallelConfig, TrainingConfig, DataConfig, CheckpointConfig, LoggingConfig)
 
 
 # --------------------------------------------------------------------------- the generic loader
