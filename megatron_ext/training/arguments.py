@@ -37,8 +37,6 @@ from megatron_ext.training.sections import (  # noqa: F401  (re-exported)
     _require,
 )
 
-
-
 # --------------------------------------------------------------------------- the generic loader
 
 
