@@ -92,19 +92,19 @@ def main(argv=None) -> None:
     cfg = load_config([*TRAINING_SECTIONS, model_section()], argv, world_size=world)
     from megatron_ext.parallel import validate_layout
 
-    validate_layout(cfg[HybridConfig], world)
-    ckpt = cfg[CheckpointConfig]
-    if cfg[ParallelConfig].use_distributed_optimizer and ckpt.load and not ckpt.no_load_optim:
+    model_cfg: HybridConfig = cfg[HybridConfig]
+    par, train, data_cfg = cfg[ParallelConfig], cfg[TrainingConfig], cfg[DataConfig]
+    ckpt_cfg, log_cfg = cfg[CheckpointConfig], cfg[LoggingConfig]
+    validate_layout(model_cfg, world)
+    if par.use_distributed_optimizer and ckpt_cfg.load and not ckpt_cfg.no_load_optim:
         # Megatron-Core 0.19's distributed-optimizer checkpoints load only with the optimizer
         # state layout of Transformer Engine / Apex (a per-parameter 'step'); torch Adam lacks it.
         raise ConfigError(
             "load: resuming the optimizer state with use_distributed_optimizer is not supported "
-            "yet; add --no-load-optim (weights, data position and RNG resume; the LR schedule restarts, as with Megatron-LM's flag)"
+            "yet; add --no-load-optim (weights, data position and RNG resume; the LR schedule "
+            "restarts, as with Megatron-LM's flag)"
         )
     init_distributed()
-    model_cfg: HybridConfig = cfg[HybridConfig]
-    par, train, data_cfg = cfg[ParallelConfig], cfg[TrainingConfig], cfg[DataConfig]
-    ckpt_cfg, log_cfg = cfg[CheckpointConfig], cfg[LoggingConfig]
 
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
