@@ -38,6 +38,10 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     _check(q.dtype in dtypes and k.dtype == q.dtype and v.dtype == q.dtype,
            f"q, k, v must share one dtype out of fp32/fp16/bf16, got {q.dtype}, {k.dtype}, {v.dtype}")
+    # fp32/fp16 tiles take fp32 (tf32) dots, which Triton 3.6 miscompiles on sm_90 (illegal memory access in
+    # state_bwd_kernel); they stay for the CPU interpreter, where the kernels are tested in fp32.
+    _check(not q.is_cuda or q.dtype == torch.bfloat16, f"chunk_kda on CUDA takes bf16 q, k, v, got {q.dtype} "
+           "(fp32/fp16 run on CPU under TRITON_INTERPRET=1, or through naive_chunk_kda)")
     if lower_bound is not None:
         lo, hi = LOWER_BOUND_RANGE
         _check(lo <= lower_bound < hi, f"lower_bound must be in [{lo}, {hi}) (its exponent span per 16-token "

@@ -24,7 +24,7 @@ OUTPUT_CONFIG = dict(BV=64, num_warps=4)
 GATE_CONFIG = dict(num_warps=8)  # gate cumsum + L2 norm of q and k
 DV_CONFIG = dict(BV=32, num_warps=8, num_stages=3)
 DQKG_CONFIG = dict(BV=32, num_warps=8, num_stages=1)
-BKT = 16  # K tile of intra_bwd_dqkg_kernel
+BKT = 32  # K tile of intra_bwd_dqkg_kernel: Triton 3.6 miscompiles 16 (out-of-bounds shared reads on sm_90)
 KS = 64  # K slice of the decayed products in intra_fwd_kernel
 L2_ROWS = 32  # rows per program of the L2-norm backward
 

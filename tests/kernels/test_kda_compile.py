@@ -55,6 +55,11 @@ def kernel_cases():
     }
 
 
+# Spilled 4-byte words tolerated per kernel. intra_bwd_dqkg runs with K tile 32 because Triton 3.6 (the GPU
+# machine's) miscompiles the K tile 16 that spilled nothing (out-of-bounds shared-memory reads, found with
+# compute-sanitizer); at 32 it spills 4 words (Triton 3.8), a few cached accesses per program.
+SPILL_ALLOWANCE = {"intra_bwd_dqkg": 4}
+
 NAMES = ["gate_cumsum", "intra_fwd", "state_fwd", "output", "state_bwd", "intra_bwd_dv", "intra_bwd_dqkg",
          "l2norm_bwd"]
 
@@ -69,4 +74,5 @@ def test_kda_kernel_compiles_for_hopper_without_spills(name):
                            num_stages=config.get("num_stages", 3))
     used = resources(compiled)
     assert "cubin" in compiled.asm
-    assert used.spill_stores == 0 and used.spill_loads == 0, f"{name}: {used}"
+    allowed = SPILL_ALLOWANCE.get(name, 0)
+    assert used.spill_stores <= allowed and used.spill_loads <= allowed, f"{name}: {used}"

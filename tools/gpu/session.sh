@@ -3,13 +3,21 @@
 # Usage on the GPU machine, from the repo root, with the cp312 wheels in .whl/:
 #   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,moe,routing,kda
 # Each step has its own time limit, logs to $OUT/session.log and writes its JSON under $OUT.
+# Independent steps can share one call on a two-GPU machine, one track per GPU:
+#   bash tools/gpu/session.sh install
+#   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 bash tools/gpu/session.sh tests,e2e &
+#   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 bash tools/gpu/session.sh kda; wait
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 STEPS=${1:-tests,train,attnres,moe,routing}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheel install failed"; exit 1; }
+if [ ! -f /tmp/site/.installed ]; then  # once per machine: parallel tracks must not reinstall
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  touch /tmp/site/.installed
+fi
+[ "$STEPS" = install ] && exit 0
 export PYTHONPATH=/tmp/site:$PWD
 LOG="$OUT/session.log"
 step() {  # step NAME SECONDS CMD...
@@ -29,5 +37,8 @@ step attnres 90 python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
 step moe 60 python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
 step moe2 60 torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
 step routing 45 python3 tools/bench_routing.py --out "$OUT/routing-h200.json"
-step kda 300 python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-} --out "$OUT/kda-h200.json"
+step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-} --out "$OUT/kda-h200.json"
+step e2e ${E2E_LIMIT:-400} python3 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200.json"
+step e2e2 ${E2E_LIMIT:-300} torchrun --standalone --nproc-per-node 2 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200x2.json"
+step profile 150 python3 tools/bench_e2e.py --profile ours_full --profile-out "$OUT/profile-ours_full.md"
 tail -n 60 "$LOG" | grep -E "^===|passed|failed|error|Error" | tail -40
