@@ -5,7 +5,8 @@
 * :func:`initialize_parallel` - Megatron's process groups and model-parallel RNG;
 * :func:`build_model_chunks` - one model chunk per virtual pipeline stage of this rank;
 * :func:`wrap_ddp` - Megatron DDP (expert params reduced over the expert-data-parallel group);
-* :func:`build_optimizer` - Megatron's (distributed) AdamW.
+* :func:`build_optimizer` - Megatron's (distributed) AdamW, on torch's fused kernel
+  (:func:`use_fused_adam`).
 
 The layout lives in the Megatron fields of :class:`~megatron_ext.config.HybridConfig`
 (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
@@ -159,8 +160,10 @@ def build_optimizer(
     clip_grad: float = 1.0,
     bf16: bool = False,
     use_distributed_optimizer: bool = False,
+    fused_adam: bool = True,
 ):
-    """Megatron's AdamW (distributed over DP ranks when asked) for the DDP-wrapped chunks."""
+    """Megatron's AdamW (distributed over DP ranks when asked) for the DDP-wrapped chunks; on torch's
+    fused Adam kernel unless ``fused_adam=False`` (Megatron-Core's own choice without TE/Apex)."""
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -174,4 +177,29 @@ def build_optimizer(
         params_dtype=torch.float32,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    return get_megatron_optimizer(opt_config, chunks)
+    optimizer = get_megatron_optimizer(opt_config, chunks)
+    if fused_adam:
+        use_fused_adam(optimizer)
+    return optimizer
+
+
+def use_fused_adam(optimizer) -> int:
+    """Run every torch Adam/AdamW inside a Megatron optimizer (chained or not) on torch's fused kernel.
+
+    Without Transformer Engine or Apex, Megatron-Core builds ``torch.optim.AdamW`` with torch's default
+    foreach path, whose temporaries hold about two fp32 copies of the parameters at the step's peak and which
+    makes several passes over the state; the fused kernel makes one. The update is the same (tested). Must
+    run before the first step (the step counters are created on the device then). Returns the number of
+    param groups switched.
+    """
+    switched = 0
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", wrapper)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        if inner.state:
+            raise ValueError("use_fused_adam must run before the optimizer's first step")
+        for group in inner.param_groups:
+            group["fused"], group["foreach"] = True, False
+            switched += 1
+    return switched
