@@ -287,8 +287,19 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
+def add_scaling_efficiency(rows: list[dict]) -> None:
+    """Multi-GPU rows get ``scaling_efficiency`` = tokens/s / (GPUs x tokens/s of the one-GPU row of the same
+    name): tokens per GPU are the same in both, so 1.0 is perfect weak scaling."""
+    single = {r["name"]: r.get("tokens_per_sec") for r in rows if r.get("gpus") == 1}
+    for r in rows:
+        base = single.get(r["name"])
+        if r.get("gpus", 1) > 1 and base and r.get("tokens_per_sec"):
+            r["scaling_efficiency"] = r["tokens_per_sec"] / (r["gpus"] * base)
+
+
 def write_json(path: str, result: dict) -> None:
-    """Write ``result``; rows of another GPU count already in ``path`` are kept (1-GPU + EP2 in one file)."""
+    """Write ``result``; rows of another GPU count already in ``path`` are kept (1-GPU + EP2 in one file),
+    and multi-GPU rows get their scaling efficiency against the one-GPU rows."""
     out = Path(path)
     if out.exists():
         try:
@@ -297,6 +308,7 @@ def write_json(path: str, result: dict) -> None:
             result = {**result, "rows": kept + result["rows"]}
         except (json.JSONDecodeError, AttributeError, KeyError):
             pass  # an unreadable old file is replaced
+    add_scaling_efficiency(result["rows"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -64,3 +64,15 @@ def test_failed_row_is_shown_and_other_gpu_counts_are_kept(tmp_path):
     write_json(str(path), {"rows": [failed], "date": "newer"})  # same GPU count: replaced, not appended
     assert [r["gpus"] for r in json.loads(path.read_text())["rows"]] == [2, 1]
     assert "failed: OutOfMemoryError" in format_table([failed])
+
+
+def test_two_gpu_rows_get_their_scaling_efficiency(tmp_path):
+    path = tmp_path / "e2e.json"
+    one = {"name": "ours_base", "gpus": 1, "seq": 64, "tokens_per_sec": 1000.0}
+    two = {"name": "ours_base", "gpus": 2, "seq": 64, "tokens_per_sec": 1800.0}
+    two_stock = {"name": "stock", "gpus": 2, "seq": 64, "tokens_per_sec": 900.0}  # no one-GPU row: none
+    write_json(str(path), {"rows": [one]})
+    write_json(str(path), {"rows": [two, two_stock]})
+    rows = {(r["name"], r["gpus"]): r for r in json.loads(path.read_text())["rows"]}
+    assert rows[("ours_base", 2)]["scaling_efficiency"] == 0.9
+    assert "scaling_efficiency" not in rows[("stock", 2)] and "scaling_efficiency" not in rows[("ours_base", 1)]
