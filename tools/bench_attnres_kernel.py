@@ -36,7 +36,8 @@ DEFAULT_OUT = "docs/bench/attnres-kernel-h200.json"
 GPU_SHAPES = [(n, 8192, 2048) for n in (2, 5, 9)]  # (n sources, T tokens, h)
 SMOKE_SHAPES = [(n, 19, 48) for n in (2, 5, 9)]
 # Agreement bounds, as max |kernel - reference| / max |reference| per tensor.
-TOLERANCE = {"bf16": {"out": 1e-2, "d_sources": 1e-2, "d_query": 1e-3, "d_norm_weight": 1e-3},
+# d_query / d_norm_weight: the backward uses c = dout . out with the bf16-rounded output.
+TOLERANCE = {"bf16": {"out": 1e-2, "d_sources": 1e-2, "d_query": 1e-2, "d_norm_weight": 1e-2},
              "fp32": {"out": 1e-5, "d_sources": 1e-5, "d_query": 1e-5, "d_norm_weight": 1e-5}}
 
 

@@ -6,10 +6,13 @@
 
 Entry point: :func:`depth_attention`. Implementations:
 
-* ``"triton"``: fused kernel (``fused.py``): one read of the sources in forward, two
-  passes over each token tile in backward, nothing but the inputs saved.
-* ``"torch"``: plain-PyTorch maths (``naive.py``) behind a custom autograd.Function with the
-  same memory behaviour (inputs saved, everything recomputed in backward).
+* ``"triton"``: fused kernel (``fused.py``): one read of the sources in forward and one in
+  backward; saves the inputs, its own output and ``(2 n + 1)`` fp32 numbers per token.
+* ``"torch"``: plain-PyTorch maths (``naive.py``) behind a custom autograd.Function that saves
+  only the inputs and recomputes everything in backward.
+
+Sources read by many calls can have their gradients summed in place (``grads.py``:
+``track_source_grad`` / ``SourceGrad``, the ``source_grads`` argument).
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise.
 """
 
@@ -20,9 +23,13 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.attn_res.grads import SourceGrad, track_source_grad
 from kernels.attn_res.naive import depth_attention_recompute, depth_attention_reference
 
-__all__ = ["depth_attention", "depth_attention_reference", "IMPLEMENTATIONS", "SUPPORTED_DTYPES"]
+__all__ = [
+    "depth_attention", "depth_attention_reference", "track_source_grad", "SourceGrad",
+    "IMPLEMENTATIONS", "SUPPORTED_DTYPES",
+]
 
 IMPLEMENTATIONS = ("auto", "triton", "torch")
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -36,6 +43,7 @@ def depth_attention(
     norm_weight: torch.Tensor,
     eps: float = 1e-6,
     impl: str = "auto",
+    source_grads: Sequence[SourceGrad | None] | None = None,
 ) -> torch.Tensor:
     """Softmax-weighted mix of n sources over depth, one weight per (token, source).
 
@@ -49,12 +57,24 @@ def depth_attention(
         norm_weight: the RMSNorm weight ``gamma`` applied to the sources, shape ``[h]``.
         eps: RMSNorm epsilon.
         impl: ``"auto"``, ``"triton"`` or ``"torch"`` (see module docstring).
+        source_grads: optional, with a list of sources only: one :class:`SourceGrad` or
+            ``None`` per source. A source given with a ``SourceGrad`` (from
+            :func:`track_source_grad`) gets its gradient added into that one buffer in
+            backward instead of returned to autograd (``grads.py``).
 
     Returns:
         ``[s, b, h]`` (one source's shape) in the sources' dtype; accumulation is fp32.
         Gradients flow to every source, ``query`` and ``norm_weight`` (in their dtypes).
     """
     stacked, flat, token_shape = _validate_and_flatten(sources, query, norm_weight, impl)
+    if source_grads is not None:
+        source_grads = tuple(source_grads)
+        if stacked or len(source_grads) != len(flat):
+            raise ValueError("source_grads needs a list of sources and one entry (SourceGrad or None) per source")
+        if not all(g is None or isinstance(g, SourceGrad) for g in source_grads):
+            raise ValueError("source_grads entries must be SourceGrad or None")
+        if not any(g is not None for g in source_grads):
+            source_grads = None
     if impl == "auto":
         impl = "triton" if flat[0].is_cuda else "torch"
     if impl == "triton":
@@ -67,9 +87,9 @@ def depth_attention(
             raise ValueError(f"impl='triton' supports h <= {MAX_HIDDEN_TRITON}, got h={flat[0].shape[-1]}")
         from kernels.attn_res.fused import FusedDepthAttention  # triton imported on first use
 
-        out = FusedDepthAttention.apply(query, norm_weight, float(eps), stacked, *flat)
+        out = FusedDepthAttention.apply(query, norm_weight, float(eps), stacked, source_grads, *flat)
     else:
-        out = depth_attention_recompute(flat[0] if stacked else flat, query, norm_weight, float(eps))
+        out = depth_attention_recompute(flat[0] if stacked else flat, query, norm_weight, float(eps), source_grads)
     return out.view(token_shape)
 
 

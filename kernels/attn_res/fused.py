@@ -1,27 +1,32 @@
 """Fused Triton kernels for Block AttnRes depth attention (maths in ``naive.py``).
 
 Per token, with ``u = w * gamma`` and ``r_i = rsqrt(mean(v_i^2) + eps)``, the logit is
-``logit_i = r_i * (v_i . u)``: the normalised keys are never formed, only three dot
-products per (token, source) over h.
+``logit_i = r_i * (v_i . u)``: the normalised keys are never formed, only dot products per
+(token, source) over h, reduced together (one multi-operand reduction per source).
 
-Forward (one program per tile of BLOCK_T tokens, full h in registers, h padded to a power
-of two): stream the n sources once with an online softmax, rescaling an fp32 accumulator,
-so V is read exactly once and only ``out`` is written.
+Forward (one program per tile of BLOCK_T tokens, full h in registers, h padded to a power of
+two): stream the n sources once with an online softmax, rescaling an fp32 accumulator, so V
+is read exactly once; writes ``out`` and ``lse [T]`` (fp32 log-sum-exp of the logits).
 
-Backward (persistent grid, each program loops over token tiles):
-  pass 1 reads the tile's n sources and dout, and gets the softmax normaliser ``lse`` and
-         ``c = sum_i a_i (dout . v_i)`` (an online softmax again);
-  pass 2 re-reads the same tile's sources (just touched, so mostly from L2), recomputes
-         r_i, v_i . u, dout . v_i, a_i and writes
-           dv_i = a_i dout + dlogit_i r_i (u - (v_i . u) r_i^2 v_i / h),
-           dlogit_i = a_i (dout . v_i - c),
-         while accumulating g = sum_tokens sum_i dlogit_i r_i v_i in fp32 registers.
-Each program writes one row of g; the rows are summed afterwards (two-stage, deterministic
-for a given device), and dw = g * gamma, dgamma = g * w.
+Backward (persistent grid of one wave, each program loops over token tiles), one pass over
+the sources: ``c = sum_i a_i (dout . v_i) = dout . out`` comes from the saved output (the
+sublayer's norm keeps that tensor alive anyway) and ``a_i = exp(logit_i - lse)``, so per
+source ``v . v``, ``v . u`` and ``dout . v`` are reduced together and
 
-Sources are passed to the kernels as a tuple of tensors (one pointer each, unrolled over the
-constexpr n), so the caller never has to stack them; the source grads are written into one
-``[n, T, h]`` buffer whose slices are handed back.
+    dv_i = a_i dout + dlogit_i r_i (u - logit_i r_i v_i / h),   dlogit_i = a_i (dout . v_i - c)
+
+is written, or added to the gradient already in the destination (``ACCUMULATE`` bit i): a
+source read by several depth-attention calls gets its gradient summed in place in one buffer
+(``grads.SourceGrad``) instead of one tensor per call added up by autograd. ``g = sum_tokens
+sum_i dlogit_i r_i v_i`` is accumulated in fp32 registers; each program writes one row of it,
+the rows are summed afterwards (two-stage, deterministic for a given device), and
+``dw = g * gamma``, ``dgamma = g * w``.
+
+HBM traffic per token, n sources of h elements: forward n reads + 1 write; backward n + 2
+reads (sources, dout, out), n writes, plus one read per accumulated source.
+
+Sources and source gradients are passed as tuples of tensors (one pointer each, unrolled over
+the constexpr n), so nothing is ever stacked.
 """
 
 from __future__ import annotations
@@ -35,14 +40,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _add_pair(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
+def _add_triple(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
 def _depth_attention_fwd_kernel(
-    src_ptrs, query_ptr, norm_weight_ptr, out_ptr, T, H, eps,
-    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    src_ptrs, query_ptr, norm_weight_ptr, out_ptr, lse_ptr, T, H, eps,
+    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FUSE_REDUCTIONS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < T
     cols = tl.arange(0, BLOCK_H)
     col_mask = cols < H
-    mask = (rows < T)[:, None] & col_mask[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]
     offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
     u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -50,10 +66,16 @@ def _depth_attention_fwd_kernel(
     running_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
     normaliser = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+    # No stores inside this loop: a store may alias the next source, which would keep the
+    # compiler from issuing the n loads early.
     for i in tl.static_range(N):
         v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
-        logit = tl.sum(v * u[None, :], axis=1) * rstd
+        if FUSE_REDUCTIONS:
+            square_sum, vu = tl.reduce((v * v, v * u[None, :]), 1, _add_pair)
+        else:
+            square_sum = tl.sum(v * v, axis=1)
+            vu = tl.sum(v * u[None, :], axis=1)
+        logit = vu * tl.rsqrt(square_sum / H + eps)
         new_max = tl.maximum(running_max, logit)
         rescale = tl.exp(running_max - new_max)
         weight = tl.exp(logit - new_max)
@@ -62,13 +84,15 @@ def _depth_attention_fwd_kernel(
         running_max = new_max
     out = acc / normaliser[:, None]
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + rows, running_max + tl.log(normaliser), mask=row_mask)
 
 
 @triton.jit
 def _depth_attention_bwd_kernel(
-    src_ptrs, query_ptr, norm_weight_ptr, grad_out_ptr, grad_src_ptr, partial_g_ptr,
-    T, H, source_stride, eps,
-    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    src_ptrs, grad_ptrs, query_ptr, norm_weight_ptr, out_ptr, grad_out_ptr, lse_ptr, partial_g_ptr,
+    T, H, eps,
+    N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    FUSE_REDUCTIONS: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -80,42 +104,50 @@ def _depth_attention_bwd_kernel(
 
     for tile in range(pid, tl.cdiv(T, BLOCK_T), num_programs):
         rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask = (rows < T)[:, None] & col_mask[None, :]
+        row_mask = rows < T
+        mask = row_mask[:, None] & col_mask[None, :]
         offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+        # The store of source i's grad may alias source i + 1 for all the compiler knows, so
+        # source i + 1 (and its old grad) is loaded by hand before source i's grad is stored.
+        if PREFETCH:
+            v_next = tl.load(src_ptrs[0] + offs, mask=mask, other=0.0)
+            old_next = v_next
+            if ACCUMULATE & 1:
+                old_next = tl.load(grad_ptrs[0] + offs, mask=mask, other=0.0)
         dout = tl.load(grad_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-
-        # Pass 1: softmax normaliser and c = sum_i a_i (dout . v_i), online over sources.
-        running_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
-        normaliser = tl.zeros([BLOCK_T], tl.float32)
-        weighted_da = tl.zeros([BLOCK_T], tl.float32)
+        out = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+        c = tl.sum(dout * out, axis=1)  # = sum_i a_i (dout . v_i)
         for i in tl.static_range(N):
-            v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
-            logit = tl.sum(v * u[None, :], axis=1) * rstd
-            da = tl.sum(v * dout, axis=1)
-            new_max = tl.maximum(running_max, logit)
-            rescale = tl.exp(running_max - new_max)
-            weight = tl.exp(logit - new_max)
-            normaliser = normaliser * rescale + weight
-            weighted_da = weighted_da * rescale + weight * da
-            running_max = new_max
-        lse = running_max + tl.log(normaliser)
-        c = weighted_da / normaliser
-
-        # Pass 2: recompute per-source statistics and write the source grads.
-        grad_ptrs = grad_src_ptr + offs  # advanced by one source per step: no i * stride overflow
-        for i in tl.static_range(N):
-            v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(v * v, axis=1) / H + eps)
-            vu = tl.sum(v * u[None, :], axis=1)
-            da = tl.sum(v * dout, axis=1)
-            a = tl.exp(vu * rstd - lse)
+            if PREFETCH:
+                v = v_next.to(tl.float32)
+                old = old_next
+                if i + 1 < N:
+                    v_next = tl.load(src_ptrs[i + 1] + offs, mask=mask, other=0.0)
+                    if (ACCUMULATE >> (i + 1)) & 1:
+                        old_next = tl.load(grad_ptrs[i + 1] + offs, mask=mask, other=0.0)
+            else:
+                v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+                old = v
+                if (ACCUMULATE >> i) & 1:
+                    old = tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0)
+            if FUSE_REDUCTIONS:
+                square_sum, vu, da = tl.reduce((v * v, v * u[None, :], v * dout), 1, _add_triple)
+            else:
+                square_sum = tl.sum(v * v, axis=1)
+                vu = tl.sum(v * u[None, :], axis=1)
+                da = tl.sum(v * dout, axis=1)
+            rstd = tl.rsqrt(square_sum / H + eps)
+            logit = vu * rstd
+            a = tl.exp(logit - lse)
             coef = a * (da - c) * rstd  # dlogit_i * r_i
-            dv = a[:, None] * dout + coef[:, None] * (
-                u[None, :] - (vu * rstd * rstd / H)[:, None] * v
-            )
-            tl.store(grad_ptrs, dv.to(grad_src_ptr.dtype.element_ty), mask=mask)
-            grad_ptrs += source_stride
+            if N == 1:  # one source: the softmax is constant (a = 1, dlogit = 0) exactly
+                a = tl.full([BLOCK_T], 1.0, tl.float32)
+                coef = tl.zeros([BLOCK_T], tl.float32)
+            dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
+            if (ACCUMULATE >> i) & 1:
+                dv += old.to(tl.float32)
+            tl.store(grad_ptrs[i] + offs, dv.to(grad_ptrs[i].dtype.element_ty), mask=mask)
             g_acc += tl.sum(coef[:, None] * v, axis=0)
 
     tl.store(partial_g_ptr + pid.to(tl.int64) * H + cols, g_acc, mask=col_mask)
@@ -133,9 +165,9 @@ class LaunchConfig:
 def launch_config(hidden: int, tile_elements: int) -> LaunchConfig:
     """About ``tile_elements`` values per tile (whole rows), about 8 per thread.
 
-    The unrolled source loop issues all n loads of a tile up front (good for bandwidth), so
-    registers grow like n x elements per thread: at 8 per thread ptxas (sm_90) reports no
-    spills up to n = 20 for h = 2048 (128 registers at n = 9, 254 at n = 20).
+    The unrolled source loop issues the n loads of a tile early (good for bandwidth), so
+    registers grow with n x elements per thread; tests/kernels/test_attn_res_compile.py checks
+    that ptxas (sm_90) reports no spills at n = 9 and h = 2048.
     """
     block_h = triton.next_power_of_2(hidden)
     block_t = max(1, min(16, tile_elements // block_h))
@@ -144,33 +176,59 @@ def launch_config(hidden: int, tile_elements: int) -> LaunchConfig:
 
 
 # Tile sizes (elements per token tile), read at call time so the benchmark can sweep them.
-# Small tiles keep registers low (see launch_config) and keep the backward's working set
-# (programs in flight x n x tile) well inside L2 for its second pass.
 FORWARD_TILE_ELEMENTS = 2048
 BACKWARD_TILE_ELEMENTS = 2048
+# Backward programs per SM; None: as many as fit at once (from the compiled kernel's registers),
+# so the persistent grid is exactly one wave (more programs than fit left a second, partial wave).
+BACKWARD_PROGRAMS_PER_SM: int | None = None
+FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one barrier, not two)
+BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
+BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
+_resident_programs: dict = {}
 
 
-def _backward_grid(device: torch.device, num_tiles: int) -> int:
-    if device.type == "cuda":
-        return max(1, min(num_tiles, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
-    return max(1, min(num_tiles, 2))  # interpreter: still exercises the per-program loop
+def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device) -> int:
+    """Programs of ``kernel`` resident per SM, from its register count (sm_90: 64K registers,
+    64 warps, 32 blocks per SM; registers are allocated per warp in units of 256)."""
+    key = (kernel, *kwargs.items(), num_warps, args[0][0].dtype, device)
+    if key not in _resident_programs:
+        try:
+            compiled = kernel.warmup(*args, grid=(1,), num_warps=num_warps, **kwargs)
+            compiled._init_handles()
+            per_warp = -(-compiled.n_regs * 32 // 256) * 256
+            warps = min(65536 // max(per_warp, 1), 64)
+            _resident_programs[key] = max(1, min(warps // num_warps, 32))
+        except Exception:  # no register count (e.g. another backend): a conservative guess
+            _resident_programs[key] = 2
+    return _resident_programs[key]
+
+
+def _backward_grid(device: torch.device, num_tiles: int, kernel=None, args=None, kwargs=None, num_warps=1) -> int:
+    if device.type != "cuda":
+        return max(1, min(num_tiles, 2))  # interpreter: still exercises the per-program loop
+    per_sm = BACKWARD_PROGRAMS_PER_SM or _programs_per_sm(kernel, args, kwargs, num_warps, device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(num_tiles, per_sm * sms))
 
 
 def fused_depth_attention_forward(
     sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """``sources``: n contiguous ``[T, h]`` tensors; returns ``[T, h]`` in their dtype."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sources``: n contiguous ``[T, h]`` tensors; returns (``out [T, h]`` in their dtype,
+    ``lse [T]`` fp32, the log of the softmax normaliser)."""
     T, H = sources[0].shape
     out = torch.empty_like(sources[0])
+    lse = torch.empty(T, dtype=torch.float32, device=out.device)
     if T == 0:
-        return out
+        return out, lse
     cfg = launch_config(H, FORWARD_TILE_ELEMENTS)
     grid = (triton.cdiv(T, cfg.block_t),)
     _depth_attention_fwd_kernel[grid](
-        tuple(sources), query, norm_weight, out, T, H, eps,
-        N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps,
+        tuple(sources), query, norm_weight, out, lse, T, H, eps,
+        N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, FUSE_REDUCTIONS=FORWARD_FUSE_REDUCTIONS,
+        num_warps=cfg.num_warps,
     )
-    return out
+    return out, lse
 
 
 def fused_depth_attention_backward(
@@ -178,57 +236,90 @@ def fused_depth_attention_backward(
     query: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
     grad_out: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (grad of the stacked sources ``[n, T, h]``, grad query, grad norm_weight)."""
+    grad_sources: Sequence[torch.Tensor],
+    accumulate: Sequence[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Writes (or, where ``accumulate[i]``, adds) each source's grad into ``grad_sources[i]``
+    (contiguous ``[T, h]``); returns (grad query, grad norm_weight)."""
     T, H = sources[0].shape
-    grad_sources = torch.empty((len(sources), T, H), dtype=sources[0].dtype, device=grad_out.device)
     cfg = launch_config(H, BACKWARD_TILE_ELEMENTS)
-    programs = _backward_grid(grad_out.device, triton.cdiv(T, cfg.block_t))
-    partial_g = torch.empty((programs, H), dtype=torch.float32, device=grad_out.device)
     if T == 0:
-        partial_g.zero_()
+        g = torch.zeros(H, dtype=torch.float32, device=grad_out.device)
     else:
-        _depth_attention_bwd_kernel[(programs,)](
-            tuple(sources), query, norm_weight, grad_out, grad_sources, partial_g, T, H, T * H, eps,
-            N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, num_warps=cfg.num_warps,
-        )
-    g = partial_g.sum(dim=0)
+        mask = sum(1 << i for i, flag in enumerate(accumulate) if flag)
+        kwargs = dict(N=len(sources), ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
+                      FUSE_REDUCTIONS=BACKWARD_FUSE_REDUCTIONS, PREFETCH=BACKWARD_PREFETCH)
+        placeholder = torch.empty((1, H), dtype=torch.float32, device=grad_out.device)
+        args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, placeholder, T, H, eps]
+        programs = _backward_grid(grad_out.device, triton.cdiv(T, cfg.block_t), _depth_attention_bwd_kernel,
+                                  args, kwargs, cfg.num_warps)
+        partial_g = torch.empty((programs, H), dtype=torch.float32, device=grad_out.device)
+        args[7] = partial_g
+        _depth_attention_bwd_kernel[(programs,)](*args, num_warps=cfg.num_warps, **kwargs)
+        g = partial_g.sum(dim=0)
     grad_query = (g * norm_weight.float()).to(query.dtype)
     grad_norm_weight = (g * query.float()).to(norm_weight.dtype)
-    return grad_sources, grad_query, grad_norm_weight
+    return grad_query, grad_norm_weight
 
 
 class FusedDepthAttention(torch.autograd.Function):
-    """Saves only the sources, query and norm weight; backward recomputes in the kernel.
+    """Saves the sources, query, norm weight, the output and ``lse`` (fp32 [T]); one-pass backward.
 
-    ``apply(query, norm_weight, eps, stacked, *sources)``: with ``stacked`` one ``[n, T, h]``
-    tensor is given (its grad comes back as one tensor); otherwise n ``[T, h]`` tensors
-    (their grads come back as slices of one ``[n, T, h]`` buffer, no copy).
+    ``apply(query, norm_weight, eps, stacked, source_grads, *sources)``: with ``stacked`` one
+    ``[n, T, h]`` tensor is given (its grad comes back as one tensor); otherwise n ``[T, h]``
+    tensors. ``source_grads`` is ``None`` or one :class:`~kernels.attn_res.grads.SourceGrad`
+    (or ``None``) per source: a source with one gets its grad added into that buffer by the
+    kernel and returns ``None`` to autograd; the others get a fresh tensor each.
+
+    The output is saved for ``c = dout . out``: it is the tensor this op returns, which its
+    consumer (the sublayer's input norm) keeps for its own backward, so no memory is added.
     """
 
     @staticmethod
-    def forward(ctx, query, norm_weight, eps, stacked, *sources):
-        ctx.eps = eps
+    def forward(ctx, query, norm_weight, eps, stacked, source_grads, *sources):
         ctx.stacked = stacked
-        ctx.save_for_backward(query, norm_weight, *sources)
+        ctx.source_grads = source_grads
         views = tuple(sources[0].unbind(0)) if stacked else sources
-        return fused_depth_attention_forward(views, query, norm_weight, eps)
+        ctx.eps = eps
+        out, lse = fused_depth_attention_forward(views, query, norm_weight, eps)
+        ctx.save_for_backward(query, norm_weight, out, lse, *sources)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, norm_weight, *sources = ctx.saved_tensors
-        views = tuple(sources[0].unbind(0)) if ctx.stacked else tuple(sources)
-        grad_sources, grad_query, grad_norm_weight = fused_depth_attention_backward(
-            views, query, norm_weight, ctx.eps, grad_out.contiguous()
-        )
+        query, norm_weight, out, lse, *sources = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        source_grads = (grad_sources,) if ctx.stacked else tuple(grad_sources.unbind(0))
-        source_grads = tuple(g if need else None for g, need in zip(source_grads, needs[4:]))
+        if ctx.stacked:
+            grad_stacked = torch.empty_like(sources[0])
+            views, dests, accumulate = tuple(sources[0].unbind(0)), tuple(grad_stacked.unbind(0)), ()
+            returned = [grad_stacked if needs[5] else None]
+        else:
+            views, dests, accumulate, returned = tuple(sources), [], [], []
+            source_grads = ctx.source_grads or (None,) * len(views)
+            for v, source_grad, need in zip(views, source_grads, needs[5:]):
+                if source_grad is None:
+                    dests.append(torch.empty_like(v))
+                    accumulate.append(False)
+                    returned.append(dests[-1] if need else None)
+                    continue
+                current = source_grad.current()
+                accumulate.append(current is not None)
+                if current is None:
+                    current = torch.empty_like(v)
+                    source_grad.set(current)
+                dests.append(current)
+                returned.append(None)
+        grad_query, grad_norm_weight = fused_depth_attention_backward(
+            views, query, norm_weight, ctx.eps, out, lse, grad_out.contiguous(), dests, accumulate
+        )
         return (
             grad_query if needs[0] else None,
             grad_norm_weight if needs[1] else None,
             None,
             None,
-            *source_grads,
+            None,
+            *returned,
         )

@@ -49,9 +49,10 @@ class _RecomputeDepthAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, norm_weight, eps, stacked, *sources):
+    def forward(ctx, query, norm_weight, eps, stacked, source_grads, *sources):
         ctx.eps = eps
         ctx.stacked = stacked
+        ctx.source_grads = source_grads
         ctx.save_for_backward(query, norm_weight, *sources)
         stack = sources[0] if stacked else torch.stack(sources)
         with torch.no_grad():
@@ -66,13 +67,19 @@ class _RecomputeDepthAttention(torch.autograd.Function):
             out = depth_attention_reference(stack, leaves[0], leaves[1], ctx.eps)
             grads = torch.autograd.grad(out, leaves, grad_out, allow_unused=True)
         grads = [g if need else None for g, need in zip(grads, _needs_grad(ctx))]
-        return grads[0], grads[1], None, None, *grads[2:]
+        if ctx.source_grads is not None:  # add into the shared sums, return nothing to autograd
+            for i, source_grad in enumerate(ctx.source_grads):
+                if source_grad is not None and grads[2 + i] is not None:
+                    source_grad.add_(grads[2 + i])
+                    grads[2 + i] = None
+        return grads[0], grads[1], None, None, None, *grads[2:]
 
 
 def _needs_grad(ctx) -> list[bool]:
-    # ctx.needs_input_grad follows forward's signature: query, norm_weight, eps, stacked, *sources.
+    # ctx.needs_input_grad follows forward's signature: query, norm_weight, eps, stacked,
+    # source_grads, *sources.
     flags = ctx.needs_input_grad
-    return [flags[0], flags[1], *flags[4:]]
+    return [flags[0], flags[1], *flags[5:]]
 
 
 def depth_attention_recompute(
@@ -80,8 +87,13 @@ def depth_attention_recompute(
     query: torch.Tensor,
     norm_weight: torch.Tensor,
     eps: float = 1e-6,
+    source_grads=None,
 ) -> torch.Tensor:
-    """Reference maths with recompute-in-backward; accepts a stacked tensor or a list."""
+    """Reference maths with recompute-in-backward; accepts a stacked tensor or a list.
+
+    ``source_grads`` (list only): one ``grads.SourceGrad`` or ``None`` per source; those
+    sources' grads are added into their ``SourceGrad`` instead of returned to autograd.
+    """
     if isinstance(sources, torch.Tensor):
-        return _RecomputeDepthAttention.apply(query, norm_weight, eps, True, sources)
-    return _RecomputeDepthAttention.apply(query, norm_weight, eps, False, *sources)
+        return _RecomputeDepthAttention.apply(query, norm_weight, eps, True, None, sources)
+    return _RecomputeDepthAttention.apply(query, norm_weight, eps, False, source_grads, *sources)
