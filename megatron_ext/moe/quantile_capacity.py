@@ -17,6 +17,13 @@ batch, rank 0's tokens first):
    over-fill an expert whenever the boundary bin holds several proposals.
 4. Refused proposals leave their experts full, so the next round only goes elsewhere; stop when
    a round refuses nothing, or when no refused token has an expert with room left.
+
+GPU cost model: the work is tiny, so the cost is kernel launches and host syncs. Round 1 works
+on the ``[N, k]`` top-k and reads one ``[E + 1]`` vector back; when no expert is over-subscribed
+(the common case) that is the whole call, about 20 launches. Otherwise only the tokens refused
+in round 1 can move later; they are gathered once (one more host read) and every later round
+runs on dense, fixed-shape ``[M, E]`` masks in expert order (no per-round compaction or list
+refresh), with one host read per round: the stop test.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from megatron_ext.moe.quantile_histogram import bin_of_rank, histogram_bins, histogram_counts
+from megatron_ext.moe.quantile_histogram import flat_counts, histogram_bins
 from megatron_ext.moe.quantile_routing import Routing, biased_scores, check_scores, gates_from_scores
 
 __all__ = ["expert_capacity", "capacity_routing"]
@@ -44,39 +51,10 @@ def expert_capacity(num_tokens_global: int, k: int, num_experts: int, capacity_f
     return math.ceil(round(capacity_factor * num_tokens_global * k / num_experts, 9))
 
 
-# Candidates listed per token slot: with 2k, a token exhausts its list (and pays a full-row
-# top-k to refresh it) only when its listed experts with room run short of its free slots.
-_CANDIDATES_PER_SLOT = 2
-
-
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(tensor, group=group)
     return tensor
-
-
-def _boundary_admission(proposals, valid, bins, boundary, admit_in_boundary, group):
-    """Which proposals sitting in their expert's boundary bin are admitted: the first
-    ``admit_in_boundary[j]`` of expert j's boundary-bin proposals in global token order."""
-    num_experts = boundary.shape[0]
-    in_boundary = (valid & (bins == boundary[proposals])).reshape(-1)
-    # Few proposals sit in boundary bins: order just those. Row-major order is token order.
-    where = in_boundary.nonzero().squeeze(1)
-    expert = proposals.reshape(-1)[where]
-    local = torch.bincount(expert, minlength=num_experts)
-    order = torch.sort(expert, stable=True).indices
-    start = local.cumsum(0) - local
-    position = torch.empty_like(order)
-    position[order] = torch.arange(order.numel(), device=order.device) - start[expert[order]]
-    if group is not None:
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        per_rank = torch.zeros(world, num_experts, dtype=torch.int64, device=proposals.device)
-        per_rank[rank] = local
-        _all_reduce(per_rank, group)
-        position += per_rank[:rank].sum(dim=0)[expert]  # tokens of lower ranks come first
-    admitted = torch.zeros_like(in_boundary)
-    admitted[where] = position < admit_in_boundary[expert]
-    return admitted.view_as(proposals)
 
 
 def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bias: torch.Tensor | None = None,
@@ -86,18 +64,16 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     capacity_factor)`` pairs over all ranks of ``group`` (None: this process alone).
 
     ``bias`` shifts selection only; gates are the unbiased scores of the final experts
-    (renormalised over the kept ones unless ``renormalize=False``). ``score_range`` is the
-    histogram range (sigmoid/softmax scores lie in [0, 1]); scores outside it fall in the edge
-    bins, which coarsens who wins a contested expert but never breaks the capacity.
-    ``max_rounds`` caps the overflow rounds (None: until nothing can move; at most E + 1).
-    Slots are ordered by biased score, best first, dropped (-1) last. ``Routing.rounds`` says
-    how many rounds ran.
+    (renormalised over the kept ones unless ``renormalize=False``); only the gates carry
+    gradients. ``score_range`` is the histogram range (sigmoid/softmax scores lie in [0, 1]);
+    scores outside it fall in the edge bins, which coarsens who wins a contested expert but
+    never breaks the capacity. ``max_rounds`` caps the overflow rounds (None: until nothing can
+    move; at most E + 1). Slots are ordered by biased score, best first, dropped (-1) last.
+    ``Routing.rounds`` says how many rounds ran.
 
-    Collectives per call: one all-reduce of ``E * num_bins`` int64 (+1) per round, plus one of
-    ``world * E`` int64 in rounds where some expert is over-subscribed. Host syncs per round:
-    one read of three global totals (the loop exit), one in over-subscribed rounds (the
-    boundary-bin proposals), one to gather the refused tokens and one to find those whose
-    candidate list ran short.
+    Collectives per call: one all-reduce of ``E * num_bins`` int64 (+1 in round 1) per round,
+    plus one of ``world * E`` int64 in rounds where some expert is over-subscribed. Host reads:
+    one per round (the stop test), plus one to gather the tokens refused in round 1.
     """
     check_scores(scores, k, bias)
     if not isinstance(num_bins, int) or num_bins < 1:
@@ -107,125 +83,135 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
         raise ValueError(f"score_range must be (lo, hi) with hi > lo, got {score_range}")
     if max_rounds is not None and max_rounds < 1:
         raise ValueError(f"max_rounds must be >= 1 or None, got {max_rounds}")
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None  # a one-rank collective is an identity that still costs a launch and a sync
+    with torch.no_grad():  # only the gates below are differentiable
+        experts, dropped, rerouted, global_load, rounds = _route(
+            scores.detach(), k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds)
+    return Routing(experts, gates_from_scores(scores, experts, renormalize), dropped, rerouted,
+                   global_load=global_load, rounds=rounds)
+
+
+def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds):
     num_tokens, num_experts = scores.shape
+    eb = num_experts * num_bins
     biased = biased_scores(scores, bias)
-    # Every token's best experts in preference order, computed once: a round scans these
-    # [N, c] lists instead of masking and re-sorting [N, E] rows. A token whose list runs out
-    # of experts with room gets a fresh list of its best c experts with room that it does not
-    # hold (room never grows back, so the list stays exact until it runs out again).
-    width = min(num_experts, _CANDIDATES_PER_SLOT * k)
-    candidates = biased.topk(width, dim=1).indices
-    top_k = candidates[:, :k].clone()  # the lists get refreshed; `rerouted` compares with this
-    candidate_bins = histogram_bins(scores.gather(1, candidates), lo, hi, num_bins)
-    taken = torch.zeros_like(candidates, dtype=torch.bool)  # candidate already held
-    experts = torch.full((num_tokens, k), -1, dtype=torch.int64, device=scores.device)
-    # Round 1 is the plain top-k of every token; later rounds only revisit refused tokens.
-    rows, room, capacity, round_index = None, None, 0, 0
-    while max_rounds is None or round_index < max_rounds:
-        if rows is None:
-            proposals, bins = candidates[:, :k], candidate_bins[:, :k]
-            valid, held = torch.ones_like(proposals, dtype=torch.bool), experts
-        else:
-            held, listed = experts[rows], taken[rows]
-            proposals, bins = candidates[rows], candidate_bins[rows]
-            available = ~listed & (room[proposals] > 0)
-            valid = available & (available.cumsum(dim=1) <= (held < 0).sum(1, keepdim=True))
-        hist = histogram_counts(proposals, bins, num_experts, num_bins, valid)
-        # The token count rides along (fixed shape); round 1 uses it to fix the capacity.
-        packed = _all_reduce(torch.cat([hist.reshape(-1), hist.new_tensor([num_tokens])]), group)
-        hist = packed[:-1].view(num_experts, num_bins)
+    # Round 1: every token proposes its plain top-k; bins come from the unbiased scores (the
+    # bias is constant per expert, so the order inside an expert is the same).
+    top_k = biased.topk(k, dim=1).indices
+    bins = histogram_bins(scores.gather(1, top_k), lo, hi, num_bins)
+    keys = bins.add(top_k, alpha=num_bins)
+    packed = flat_counts(keys, eb + 1)  # the spare last slot carries the token count
+    if group is not None:
+        packed[eb:].fill_(num_tokens)  # a fill kernel; item assignment would copy from the host
+    hist = _all_reduce(packed, group)[:eb].view(num_experts, num_bins)
+    demand = hist.sum(dim=1)
+    # The one host read of a call without overflow: demand per expert and the global count.
+    host = torch.cat([demand, packed[eb:]]).tolist()
+    host_demand, num_global = host[:num_experts], (host[-1] if group is not None else num_tokens)
+    capacity = expert_capacity(num_global, k, num_experts, capacity_factor)
+    zeros = torch.zeros(2, dtype=torch.int64, device=scores.device)
+    if sum(host_demand) == 0:  # no tokens anywhere: no round ran
+        return top_k, zeros[0], zeros[1], demand, 0
+    if max(host_demand) <= capacity:  # nobody over-subscribed: plain top-k
+        return top_k, zeros[0], zeros[1], demand, 1
+
+    room = torch.full_like(demand, capacity)
+    # The top-k proposals sit at columns top_k: dense [N, E] views only where token order matters.
+    accepted = _admit(torch.ones_like(top_k, dtype=torch.bool), top_k, bins, hist, demand - room, num_experts,
+                      group)
+    room = room - demand.minimum(room)
+    experts = top_k.where(accepted, -1)
+    if max_rounds == 1:
+        return _finish(experts, capacity, room, 1)
+    # Only tokens refused in round 1 can gain anything later (the others hold k experts, and
+    # room never grows back): gather them once.
+    rows = (~accepted).any(dim=1).nonzero().squeeze(1)
+    held, free, room, rounds = _overflow_rounds(scores[rows], biased[rows], experts[rows], room, k, num_bins, lo, hi,
+                                          group, max_rounds)
+    # Final slots of those rows: held experts by biased score, best first, then -1.
+    order = biased[rows].masked_fill(~held, -math.inf).topk(k, dim=1).indices
+    num_held = (k - free).unsqueeze(1)
+    experts[rows] = order.where(torch.arange(k, device=order.device) < num_held, -1)
+    in_top_k = torch.zeros_like(held).scatter_(1, top_k[rows], True)
+    rerouted = (held & ~in_top_k).sum()
+    return experts, free.sum(), rerouted, capacity - room, 1 + rounds
+
+
+def _finish(experts, capacity, room, rounds):
+    # Refused slots (-1) move behind the kept ones; top-k order is already by biased score.
+    kept = experts >= 0
+    order = kept.to(torch.int8).argsort(dim=1, descending=True, stable=True)
+    return experts.gather(1, order), (~kept).sum(), torch.zeros_like(room[0]), capacity - room, rounds
+
+
+def _overflow_rounds(scores, biased, held_slots, room, k, num_bins, lo, hi, group, max_rounds):
+    """Rounds 2, 3, ... for the ``M`` tokens refused in round 1, on ``[M, E]`` masks whose column
+    j is expert j. Returns (``held [M, E]`` bool, ``free [M]`` slots left, ``room [E]``, rounds run)."""
+    num_rows, num_experts = biased.shape
+    eb = num_experts * num_bins
+    # A token's preference order and each expert's place in it (ties: lower expert id first).
+    preference = biased.argsort(dim=1, descending=True, stable=True)
+    place = torch.empty_like(preference).scatter_(
+        1, preference, torch.arange(num_experts, device=preference.device).expand_as(preference))
+    bins = histogram_bins(scores, lo, hi, num_bins)
+    keys = bins + torch.arange(0, eb, num_bins, device=bins.device)
+    spare_keys = keys + eb  # non-proposals are counted in a spare copy (no atomic hot spot)
+    held = torch.zeros(num_rows, num_experts + 1, dtype=torch.bool, device=biased.device)
+    held = held.scatter_(1, held_slots.where(held_slots >= 0, num_experts), True)[:, :num_experts]
+    free = (held_slots < 0).sum(dim=1, dtype=torch.int32)  # int32 like the cumsums: no casts
+    rounds = 0
+    while max_rounds is None or rounds + 1 < max_rounds:
+        # Each token proposes to its best `free` experts with room that it does not hold.
+        available = ~held & (room > 0)
+        ahead = available.gather(1, preference).cumsum(dim=1, dtype=torch.int32).gather(1, place)
+        proposals = available & (ahead <= free.unsqueeze(1))
+        hist = _all_reduce(flat_counts(keys.where(proposals, spare_keys), 2 * eb)[:eb], group)
+        hist = hist.view(num_experts, num_bins)
         demand = hist.sum(dim=1)
-        # The one read-back every round needs (round 1: room is unknown yet, read max demand).
-        excess = demand - (room if room is not None else 0)
-        num_global, total_demand, max_excess = torch.stack([packed[-1], demand.sum(), excess.max()]).tolist()
-        if room is None:
-            capacity = expert_capacity(num_global, k, num_experts, capacity_factor)
-            room = torch.full((num_experts,), capacity, dtype=torch.int64, device=scores.device)
-            max_excess -= capacity
-        if total_demand == 0:
+        excess = demand - room
+        host_demand, host_excess = torch.stack([demand, excess]).tolist()  # the stop test
+        if sum(host_demand) == 0:  # no refused token has an expert with room left
             break
-        accepted = valid
-        if max_excess > 0:
-            refused = (demand - room).clamp(min=0)
-            accepted = valid & _accept(proposals, valid, bins, hist, refused, group)
+        rounds += 1
+        if max(host_excess) > 0:
+            proposals = _admit(proposals, None, bins, hist, excess, num_experts, group)
+        held |= proposals
+        free = free - proposals.sum(dim=1, dtype=torch.int32)
         room = room - demand.minimum(room)
-        new_held = _fill_free_slots(held, proposals, accepted)
-        if rows is None:
-            experts = new_held
-            taken[:, :k] = accepted
-        else:
-            experts[rows] = new_held
-            taken[rows] = listed | accepted
-        round_index += 1
-        if max_excess <= 0 or round_index == max_rounds:
+        if max(host_excess) <= 0:
             break
-        # Only tokens just refused can gain anything: the others got all they asked for, and
-        # room never grows back.
-        refused_rows = (valid & ~accepted).any(dim=1).nonzero().squeeze(1)
-        rows = refused_rows if rows is None else rows[refused_rows]
-        if width < num_experts:
-            _refresh_exhausted_lists(rows, candidates, candidate_bins, taken, experts, scores, biased, room,
-                                     (lo, hi, num_bins))
-    return _finish(scores, biased, experts, top_k, renormalize,
-                   global_load=capacity - room, rounds=round_index)
+    return held, free, room, rounds
 
 
-def _refresh_exhausted_lists(rows, candidates, candidate_bins, taken, experts, scores, biased, room, binning):
-    """Give each token of ``rows`` whose list holds fewer experts with room than it has free
-    slots a new list: its best ``c`` experts by biased score among those with room that it does
-    not hold ([F, E] work for those F tokens only; one host read to find them)."""
-    free = (experts[rows] < 0).sum(dim=1)
-    available = (~taken[rows] & (room[candidates[rows]] > 0)).sum(dim=1)
-    tokens = rows[available < free]
-    if tokens.numel() == 0:
-        return
-    num_experts, width = biased.shape[1], candidates.shape[1]
-    held = experts[tokens]
-    unavailable = torch.zeros(tokens.numel(), num_experts + 1, dtype=torch.bool, device=biased.device)
-    unavailable.scatter_(1, torch.where(held >= 0, held, num_experts), True)  # -1 -> spare column
-    unavailable = unavailable[:, :num_experts] | (room <= 0).unsqueeze(0)
-    # Unavailable experts may fill the tail of a short list; they stay unavailable for good.
-    fresh = biased[tokens].masked_fill(unavailable, -math.inf).topk(width, dim=1).indices
-    candidates[tokens] = fresh
-    candidate_bins[tokens] = histogram_bins(scores[tokens].gather(1, fresh), *binning)
-    taken[tokens] = unavailable.gather(1, fresh)
+def _admit(proposals, columns, bins, hist, excess, num_experts, group):
+    """Which proposals are accepted: expert j keeps its best ``demand_j - excess_j`` (all of them
+    when ``excess_j <= 0``). With ``cum`` the running count over ascending bins, the boundary bin
+    ``b_j`` is the first with ``cum > excess_j`` (it holds the lowest admitted one): bins above it
+    are in, bins below out, and ``b_j`` admits ``cum[b_j] - excess_j`` in global token order.
 
-
-def _accept(proposals, valid, bins, hist, refused, group):
-    """Expert j refuses its ``refused[j]`` lowest-scoring proposals: the lowest admitted one has
-    ascending rank ``refused[j]``; bins above that one's bin are in, bins below are out, and the
-    boundary bin admits its remaining quota in global token order."""
-    oversubscribed = refused > 0
-    boundary, below = bin_of_rank(hist, refused)
-    boundary = torch.where(oversubscribed, boundary, -1)  # -1: every bin is above the boundary
-    in_boundary_bin = hist.gather(1, boundary.clamp(min=0).unsqueeze(1)).squeeze(1)
-    admit_in_boundary = torch.where(oversubscribed, in_boundary_bin - (refused - below), 0)
-    admitted = _boundary_admission(proposals, valid, bins, boundary, admit_in_boundary, group)
-    return (bins > boundary[proposals]) | admitted
-
-
-def _fill_free_slots(held, proposals, accepted):
-    """Rows keep their experts first and free slots (-1) last; accepted proposals fill the free
-    slots in order."""
-    k = held.shape[1]
-    slot = (held >= 0).sum(1, keepdim=True) + accepted.cumsum(1) - 1
-    slot = torch.where(accepted, slot, k)  # a spare column takes the rest
-    widened = torch.cat([held, held.new_full((held.shape[0], 1), -1)], dim=1)
-    widened.scatter_(1, slot, torch.where(accepted, proposals, -1))
-    return widened[:, :k]
-
-
-def _finish(scores, biased, experts, top_k, renormalize, global_load, rounds) -> Routing:
-    kept = experts >= 0
-    order = biased.gather(1, experts.clamp(min=0)).masked_fill(~kept, -math.inf).argsort(dim=1, descending=True, stable=True)
-    experts = experts.gather(1, order)
-    kept = experts >= 0
-    in_top_k = (experts.unsqueeze(2) == top_k.unsqueeze(1)).any(dim=2)
-    return Routing(
-        experts=experts,
-        gates=gates_from_scores(scores, experts, renormalize),
-        dropped=(~kept).sum(),
-        rerouted=(kept & ~in_top_k).sum(),
-        global_load=global_load,
-        rounds=rounds,
-    )
+    ``proposals``/``bins``: ``[M, w]``; entry ``(i, s)`` is expert ``columns[i, s]``, or expert
+    ``s`` when ``columns`` is None (then ``w = E``)."""
+    cum = hist.cumsum(dim=1)
+    # The clamp only matters when excess >= demand (no room), and then the quota below is 0.
+    boundary = (cum <= excess.unsqueeze(1)).sum(dim=1).clamp_(max=hist.shape[1] - 1)
+    quota = cum.gather(1, boundary.unsqueeze(1)).squeeze(1) - excess
+    if columns is not None:
+        boundary = boundary[columns]
+    at_boundary = proposals & (bins == boundary)
+    dense = at_boundary
+    if columns is not None:  # a token proposes to an expert at most once
+        dense = torch.zeros(bins.shape[0], num_experts, dtype=torch.bool, device=bins.device)
+        dense.scatter_(1, columns, at_boundary)
+    # 1-based place among the expert's boundary-bin proposals in token order: a scan along
+    # tokens, run on a transposed int32 copy (contiguous, which the CPU needs to be fast).
+    position = torch.empty(num_experts, bins.shape[0], dtype=torch.int32, device=bins.device)
+    position = position.copy_(dense.t()).cumsum_(dim=1).t()
+    if group is not None:  # boundary-bin proposals of lower ranks come first
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        per_rank = torch.zeros(world, num_experts, dtype=torch.int64, device=bins.device)
+        per_rank[rank] = position[-1] if position.shape[0] else 0
+        quota = quota - _all_reduce(per_rank, group)[:rank].sum(dim=0)
+    if columns is not None:
+        position, quota = position.gather(1, columns), quota[columns]
+    return (proposals & (bins > boundary)) | (at_boundary & (position <= quota))

@@ -1,7 +1,9 @@
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_ext.moe.quantile import capacity_routing, expert_capacity, histogram_bins, topk_routing
+from megatron_ext.moe.quantile import (capacity_routing, expert_capacity, gates_from_scores, histogram_bins,
+                                       histogram_counts, topk_routing)
 
 
 def skewed_scores(n, e, seed=0, skew=2.0):
@@ -132,6 +134,68 @@ def test_one_round_is_capped_top_k_without_overflow():
     assert routing.rerouted.item() == 0
     assert routing.dropped.item() == int((demand - capacity).clamp(min=0).sum()) > 0
     assert torch.equal(loads(routing.experts, e), demand.clamp(max=capacity))
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts ops that read a CUDA tensor back to the host (on any device), and tolist calls."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique", "_unique2",
+               "repeat_interleave"}
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.reads = []
+        tolist = torch.Tensor.tolist
+
+        def counted(tensor):
+            self.reads.append("tolist")
+            return tolist(tensor)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", counted)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        boolean_index = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        if name in self.SYNCING or boolean_index:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_reads_one_per_round(monkeypatch):
+    """The GPU cost model (docs/quantile_balancing.md): one host read when nothing overflows,
+    then one to gather round 1's refused tokens and one per later round (the stop test)."""
+    n, e, k = 512, 16, 4
+    scores = skewed_scores(n, e, seed=13, skew=0.05)
+    with _HostReads(monkeypatch) as ample:
+        routing = capacity_routing(scores, k, 1.5)
+    assert routing.rounds == 1 and ample.reads == ["tolist"]
+    scores = skewed_scores(n, e, seed=13)
+    with _HostReads(monkeypatch) as tight:
+        routing = capacity_routing(scores, k, 1.0)
+    assert routing.rounds >= 3
+    assert tight.reads.count("nonzero") == 1 and set(tight.reads) == {"tolist", "nonzero"}
+    # Round 1, the gather, rounds 2.. (the last read may find no demand left and not count).
+    assert routing.rounds + 1 <= len(tight.reads) <= routing.rounds + 2
+
+
+def test_only_the_gates_carry_gradients():
+    scores = skewed_scores(200, 16, seed=14).requires_grad_()
+    routing = capacity_routing(scores, 4, 0.8)
+    weights = torch.randn(routing.gates.shape, generator=torch.Generator().manual_seed(15))
+    (routing.gates * weights).sum().backward()
+    again = scores.detach().clone().requires_grad_()
+    (gates_from_scores(again, routing.experts) * weights).sum().backward()
+    torch.testing.assert_close(scores.grad, again.grad)
+
+
+def test_histogram_counts_skips_invalid_entries():
+    g = torch.Generator().manual_seed(16)
+    rows, bins = torch.randint(0, 5, (300,), generator=g), torch.randint(0, 7, (300,), generator=g)
+    valid = torch.rand(300, generator=g) < 0.3
+    expected = torch.zeros(5, 7, dtype=torch.int64)
+    for r, b in zip(rows[valid].tolist(), bins[valid].tolist()):
+        expected[r, b] += 1
+    assert torch.equal(histogram_counts(rows, bins, 5, 7, valid), expected)
 
 
 @pytest.mark.parametrize("bad, match", [
