@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron_ext.moe.quantile import (Routing, capacity_routing, dual_bias_histogram, dual_bias_range,
                                        dual_bias_update, topk_routing)
+from megatron_ext.moe.quantile_histogram import flat_counts
 
 __all__ = ["TopKRouter", "AuxLossInjector", "BALANCERS", "expert_counts", "init_on_cpu", "param_device",
            "update_expert_biases"]
@@ -43,8 +44,9 @@ _DUAL_BIAS_BALANCERS = ("qb_bias", "qb_both")
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """int64 ``[E]`` number of kept (token, slot) pairs per expert; ``-1`` (dropped) is ignored."""
     flat = experts.reshape(-1)
-    # Dropped pairs go to an overflow bin that is cut off, which avoids a boolean-mask host sync.
-    return torch.bincount(flat.where(flat >= 0, num_experts), minlength=num_experts + 1)[:num_experts]
+    # Dropped pairs go to an overflow bin that is cut off (no boolean-mask host sync), and
+    # index_add_ rather than bincount, which reads its max back to the host on CUDA.
+    return flat_counts(flat.where(flat >= 0, num_experts), num_experts + 1)[:num_experts]
 
 
 def param_device(config) -> torch.device:
