@@ -80,7 +80,7 @@ class AllToAllDispatcher:
         flat_experts = routing.experts.reshape(-1)
         sort_key = flat_experts.where(flat_experts >= 0, self.num_experts)  # dropped pairs last
         pair_order = torch.sort(sort_key, stable=True).indices[:sum(send_splits)]
-        permuted = hidden.index_select(0, pair_order // top_k)
+        permuted = _GatherTokens.apply(hidden, pair_order, top_k)
 
         tokens_per_expert = mine.sum(0).to(hidden.device)
         expert_order = None
@@ -113,6 +113,30 @@ class AllToAllDispatcher:
         slots = slots.view(state.num_tokens, state.top_k, hidden_size).float()
         combined = torch.bmm(gates.unsqueeze(1), slots).squeeze(1)
         return combined.to(expert_output.dtype)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """``hidden[pair_order // k]``: one row per kept (token, slot) pair. The backward sums each token's
+    ``k`` slot gradients by gathering them (fp32 accumulation, one rounding, deterministic) instead of
+    ``index_select``'s ``index_add_`` backward (atomics, a bf16 rounding per add, several times slower on
+    the GPU)."""
+
+    @staticmethod
+    def forward(ctx, hidden, pair_order, top_k):
+        ctx.save_for_backward(pair_order)
+        ctx.num_tokens, ctx.top_k = hidden.shape[0], top_k
+        return hidden.index_select(0, pair_order // top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (pair_order,) = ctx.saved_tensors
+        num_slots, rows = ctx.num_tokens * ctx.top_k, grad.shape[0]
+        if rows < num_slots:  # dropped pairs read an appended zero row
+            grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+        source = torch.full((num_slots,), rows, dtype=torch.long, device=grad.device)
+        source[pair_order] = torch.arange(rows, device=grad.device)
+        per_slot = grad.index_select(0, source).view(ctx.num_tokens, ctx.top_k, grad.shape[1])
+        return per_slot.sum(1), None, None
 
 
 class _AllToAll(torch.autograd.Function):
