@@ -1,9 +1,9 @@
-"""Run Megatron-Core 0.19.2 on CPU with the gloo backend.
+"""Run Megatron-Core 0.19.2 on CPU with the gloo backend (and the one GPU-side patch, scoped; see below).
 
 Megatron-Core assumes CUDA in a handful of places that our CPU path (the tiny default config,
 development, CI) goes through. Every patch to Megatron-Core's behaviour lives in this module,
 each one small and named after what it fixes; ``tests/test_cpu_compat.py`` has a test per patch
-that fails without it. Nothing here runs when CUDA is available: :func:`install` returns at once.
+that fails without it. The CPU patches never run when CUDA is available: :func:`install` returns at once.
 
 The patches:
 
@@ -23,6 +23,14 @@ The patches:
 ``tensor_type``
     Megatron's optimizers accept parameters by their legacy type name
     (``'torch.cuda.FloatTensor'`` ...); a CPU float tensor reports the CUDA name of its dtype.
+
+One group of patches is not about the CPU and is scoped, not installed: :func:`scoped_fast_fallbacks`
+wraps *our* optimizer's ``step`` (``megatron_ext.parallel.build_optimizer``) so that, inside it only,
+Megatron's no-Apex stand-ins for Apex's multi-tensor kernels are replaced by torch's foreach ops:
+``local_multi_tensor_l2_norm`` (per-tensor norms gathered with ``torch.tensor(list)``: one host sync
+per parameter tensor) and ``local_multi_tensor_scale`` (``dst.copy_(src * scale)``: an fp32 temporary
+per tensor when clipping). Same values (``tests/test_cpu_compat.py``); stock Megatron optimizers built
+elsewhere in the process keep Megatron's own path; with Apex or Transformer Engine present it does nothing.
 
 Transformer Engine's ``te_general_gemm``: Megatron-Core 0.16 referenced it without a guard;
 0.19.2 sets it to ``None`` when Transformer Engine is absent and checks before use, so no patch
@@ -191,3 +199,51 @@ def install(only: tuple[str, ...] | None = None) -> bool:
 
 def is_installed() -> bool:
     return _installed
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Megatron's ``l2_norm_impl`` contract: ``([1] fp32 total L2 norm, None)``; no host sync."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)])
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Megatron's ``multi_tensor_scale_impl`` contract: ``dst = src * scale``; in place when ``dst is src``."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+@contextlib.contextmanager
+def fast_fallbacks():
+    """Inside: Megatron's clip_grads module uses :func:`foreach_l2_norm` / :func:`foreach_scale` in place of
+    its no-Apex stand-ins (left alone when Apex or Transformer Engine supplies the real kernels)."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is not mcore_utils.local_multi_tensor_l2_norm:
+        yield
+        return
+    saved = clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl
+    clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = foreach_l2_norm, foreach_scale
+    try:
+        yield
+    finally:
+        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = saved
+
+
+def scoped_fast_fallbacks(optimizer):
+    """Run ``optimizer.step`` (a Megatron optimizer instance) inside :func:`fast_fallbacks`."""
+    step = optimizer.step
+
+    def step_with_fast_fallbacks(*args, **kwargs):
+        with fast_fallbacks():
+            return step(*args, **kwargs)
+
+    optimizer.step = step_with_fast_fallbacks
+    return optimizer

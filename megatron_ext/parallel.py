@@ -6,7 +6,7 @@
 * :func:`build_model_chunks` - one model chunk per virtual pipeline stage of this rank;
 * :func:`wrap_ddp` - Megatron DDP (expert params reduced over the expert-data-parallel group);
 * :func:`build_optimizer` - Megatron's (distributed) AdamW, on torch's fused kernel
-  (:func:`use_fused_adam`).
+  (:func:`use_fused_adam`) with foreach grad-norm and clipping.
 
 The layout lives in the Megatron fields of :class:`~megatron_ext.config.HybridConfig`
 (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
@@ -24,6 +24,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from megatron_ext import cpu_compat
 from megatron_ext.config import ConfigError, HybridConfig
 from megatron_ext.model import build_model
 
@@ -160,10 +161,12 @@ def build_optimizer(
     clip_grad: float = 1.0,
     bf16: bool = False,
     use_distributed_optimizer: bool = False,
-    fused_adam: bool = True,
+    fast_step: bool = True,
 ):
-    """Megatron's AdamW (distributed over DP ranks when asked) for the DDP-wrapped chunks; on torch's
-    fused Adam kernel unless ``fused_adam=False`` (Megatron-Core's own choice without TE/Apex)."""
+    """Megatron's AdamW (distributed over DP ranks when asked) for the DDP-wrapped chunks. With ``fast_step``
+    (default) the step runs torch's fused Adam kernel and foreach grad-norm/clipping
+    (:func:`use_fused_adam`, :func:`megatron_ext.cpu_compat.scoped_fast_fallbacks`); ``False`` keeps what
+    Megatron-Core does without TE/Apex."""
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -178,8 +181,9 @@ def build_optimizer(
         use_distributed_optimizer=use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
-    if fused_adam:
+    if fast_step:
         use_fused_adam(optimizer)
+        cpu_compat.scoped_fast_fallbacks(optimizer)
     return optimizer
 
 

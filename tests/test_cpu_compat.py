@@ -93,3 +93,69 @@ def test_te_general_gemm_reference_is_guarded():
     from megatron.core.transformer.moe import moe_utils
 
     assert moe_utils.te_general_gemm is None
+
+
+FAST_FALLBACKS = """
+import os, torch, torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from megatron_ext import cpu_compat
+assert cpu_compat.install()
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from megatron.core.optimizer import clip_grads
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = self.syncs = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        self.syncs += func.overloadpacket.__name__ == "_local_scalar_dense"  # .item(), float(t)
+        return func(*args, **(kwargs or {{}}))
+
+g = torch.Generator().manual_seed(0)
+def make(n):
+    return [torch.randn(*s, generator=g) for s in ((33, 7), (5,), (4, 4, 9), (100,)) * n]
+
+def norm_and_ops(grads):
+    with Ops() as ops:
+        value = clip_grads.get_grad_norm_fp32(grads)
+    exact = torch.linalg.vector_norm(torch.cat([t.flatten() for t in grads]).double()).item()
+    assert abs(value - exact) < 1e-5 * exact, (value, exact)
+    return ops
+
+few, many = make(1), make(10)
+stock_few, stock_many = norm_and_ops(few), norm_and_ops(many)
+with cpu_compat.fast_fallbacks():
+    fast_few, fast_many = norm_and_ops(few), norm_and_ops(many)
+# Megatron's stand-in launches one norm per tensor (on CUDA each is read back to the host); the foreach
+# one does the same work for 4 or 40 tensors in a fixed number of ops, with one host read (the .item()).
+assert stock_many.count >= stock_few.count + 36, (stock_few.count, stock_many.count)
+assert fast_many.count == fast_few.count and fast_many.syncs == 1, (fast_few.count, fast_many.count)
+grads = few
+exact = torch.linalg.vector_norm(torch.cat([t.flatten() for t in grads]).double()).item()
+
+params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+for p, t in zip(params, grads):
+    p.grad = t.clone()
+with cpu_compat.fast_fallbacks():
+    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=exact)
+for p, t in zip(params, grads):
+    torch.testing.assert_close(p.grad, t * (1.0 / (exact + 1e-6)))
+assert clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm"  # restored on exit
+
+class Opt:
+    def step(self):
+        return clip_grads.l2_norm_impl.__name__
+opt = cpu_compat.scoped_fast_fallbacks(Opt())
+assert opt.step() == "foreach_l2_norm" and clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm"
+"""
+
+
+def test_fast_fallbacks_same_values_one_host_sync_and_scoped_to_our_step():
+    """Megatron's no-Apex grad-norm reads every per-tensor norm back to the host; inside our optimizer's
+    step the foreach replacement gives the same norm with one read (the final ``.item()``), clips in place,
+    and leaves Megatron's own functions in place everywhere else."""
+    from tests._dist import free_port
+
+    result = _run(FAST_FALLBACKS.format(port=free_port()))
+    assert result.returncode == 0, result.stderr[-3000:]

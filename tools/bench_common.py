@@ -102,9 +102,9 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def build_training_state(build_chunks: Callable[[], list], config, fused_adam: bool = True):
-    """Model chunks (``Float16Module`` under bf16) -> Megatron DDP -> Megatron AdamW (on torch's fused
-    kernel unless ``fused_adam=False``: Megatron-Core's own foreach AdamW without TE/Apex)."""
+def build_training_state(build_chunks: Callable[[], list], config, fast_step: bool = True):
+    """Model chunks (``Float16Module`` under bf16) -> Megatron DDP -> Megatron AdamW (``fast_step``: see
+    ``megatron_ext.parallel.build_optimizer``; ``False``: what Megatron-Core does without TE/Apex)."""
     from megatron.core.transformer.module import Float16Module
 
     from megatron_ext.parallel import build_optimizer, wrap_ddp
@@ -113,13 +113,13 @@ def build_training_state(build_chunks: Callable[[], list], config, fused_adam: b
     if config.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
     chunks = wrap_ddp(chunks, config)
-    optimizer = build_optimizer(chunks, lr=1e-4, bf16=config.bf16, fused_adam=fused_adam)
+    optimizer = build_optimizer(chunks, lr=1e-4, bf16=config.bf16, fast_step=fast_step)
     return chunks, optimizer
 
 
 def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int, seq: int,
                        micro_batch: int, warmup: int, steps: int, after_step: Callable[[list], None] | None = None,
-                       profiler=None, fused_adam: bool = True) -> dict:
+                       profiler=None, fast_step: bool = True) -> dict:
     """Median ms of one training step and the peak memory (GB) of this rank.
 
     A step is: zero the grads, forward + backward of one microbatch through Megatron's schedule,
@@ -133,7 +133,7 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     free_device_memory(device)
-    chunks, optimizer = build_training_state(build_chunks, config, fused_adam)
+    chunks, optimizer = build_training_state(build_chunks, config, fast_step)
     model_device = next(chunks[0].parameters()).device
     # Each rank its own tokens (under EP every rank routes a different batch, as in training).
     batch = [synthetic_batch(vocab_size, seq, micro_batch, model_device, seed=dist.get_rank())]

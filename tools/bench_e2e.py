@@ -12,8 +12,8 @@ Variants (``--variants``, default all):
 * ``stock``: Megatron-Core's ``GPTModel`` from ``get_gpt_layer_local_spec`` (RMSNorm,
   ``SequentialMLP`` experts, ``TopKRouter`` with aux loss 1e-2, all-to-all dispatcher, RoPE),
   core attention ``DotProductAttention`` (``--stock-attention sdpa``: ours, SDPA), sequence 4096,
-  Megatron-Core's optimizer as it comes without TE/Apex (torch AdamW, foreach; ours run it on torch's
-  fused kernel: ``megatron_ext.parallel.use_fused_adam``);
+  Megatron-Core's optimizer as it comes without TE/Apex (torch AdamW, foreach; its own grad-norm and
+  clipping stand-ins; ours run ``fast_step``: see ``megatron_ext.parallel.build_optimizer``);
 * ``ours_base``: our model, full attention on every layer, our MoE layer, plain top-k;
 * ``ours_full``: KDA 3:1 (``KKKA``), quantile balancing in both modes (``qb_both``, capacity
   factor 1.25), Block AttnRes (N = 8);
@@ -210,7 +210,7 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
         steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
         timing = bench_common.time_training_step(build, config, args.sizes["vocab"], seq, micro_batch,
                                                  warmup, steps, after_step=after_step, profiler=profiler,
-                                                 fused_adam=name != "stock")
+                                                 fast_step=name != "stock")
         flops_per_token = model_flops_per_token(flops_cfg, seq)
         tokens_per_sec = world * micro_batch * seq / (timing["step_ms"] / 1e3)
         tflops = flops_per_token * tokens_per_sec / world / 1e12  # per GPU
