@@ -116,10 +116,13 @@ g = torch.Generator().manual_seed(0)
 def make(n):
     return [torch.randn(*s, generator=g) for s in ((33, 7), (5,), (4, 4, 9), (100,)) * n]
 
+def exact_norm(grads):
+    return torch.linalg.vector_norm(torch.cat([t.flatten() for t in grads]).double()).item()
+
 def norm_and_ops(grads):
     with Ops() as ops:
         value = clip_grads.get_grad_norm_fp32(grads)
-    exact = torch.linalg.vector_norm(torch.cat([t.flatten() for t in grads]).double()).item()
+    exact = exact_norm(grads)
     assert abs(value - exact) < 1e-5 * exact, (value, exact)
     return ops
 
@@ -132,7 +135,7 @@ with cpu_compat.fast_fallbacks():
 assert stock_many.count >= stock_few.count + 36, (stock_few.count, stock_many.count)
 assert fast_many.count == fast_few.count and fast_many.syncs == 1, (fast_few.count, fast_many.count)
 grads = few
-exact = torch.linalg.vector_norm(torch.cat([t.flatten() for t in grads]).double()).item()
+exact = exact_norm(grads)
 
 params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
 for p, t in zip(params, grads):
