@@ -11,7 +11,7 @@ import triton
 from kernels.kda.gate import GATE_GIVEN, gate_cumsum_kernel
 from kernels.kda.intra import intra_fwd_kernel
 from kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
-from kernels.kda.intra_bwd import intra_bwd_dqkg_kernel, intra_bwd_dv_kernel
+from kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
 from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
 
 CHUNK = 64
@@ -23,8 +23,9 @@ STATE_CONFIG = dict(BV=32, num_warps=8)
 OUTPUT_CONFIG = dict(BV=64, num_warps=4)
 GATE_CONFIG = dict(num_warps=8)  # gate cumsum + L2 norm of q and k
 DV_CONFIG = dict(BV=32, num_warps=8, num_stages=3)
-DQKG_CONFIG = dict(BV=32, num_warps=8, num_stages=1)
-BKT = 32  # K tile of intra_bwd_dqkg_kernel: Triton 3.6 miscompiles 16 (out-of-bounds shared reads on sm_90)
+DQK_CONFIG = dict(BV=32, num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
+GATE_BWD_CONFIG = dict(num_warps=8)
+BKT = 32  # K tile of the dq/dk/dg kernels
 KS = 64  # K slice of the decayed products in intra_fwd_kernel
 L2_ROWS = 32  # rows per program of the L2-norm backward
 
@@ -127,11 +128,16 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     has_bias = gate != GATE_GIVEN and dt_bias is not None
     dA_parts = torch.empty(meta.num_chunks, H, num_kt, **f32) if has_a else dg
     ddt_parts = torch.empty(meta.num_chunks, H, K, **f32) if has_bias else dg
-    intra_bwd_dqkg_kernel[(num_kt, meta.num_chunks, H)](
-        q, k, beta, G, hbuf, dhbuf, U, dU, do, Ainv, scratch[0], scratch[1], f, A_log if has_a else f,
-        dt_bias if has_bias else f, dq, dk, dg, dbeta_parts, dA_parts, ddt_parts, meta.chunk_start,
-        meta.chunk_len, scale, float(lower_bound or 0.0), H, T * H, K=K, V=V, BKT=block_kt, SAFE_GATE=safe_gate,
-        GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, DOT_BF16=opts["DOT_BF16"], **DQKG_CONFIG)
+    d_G = torch.empty(T, H, K, **f32)  # per-token dG before the reverse cumsum
+    dlast_parts = torch.zeros(meta.num_chunks, H, 4, K, **f32)  # each block's share of the chunk's last row
+    intra_bwd_dqk_kernel[(num_kt * 4, meta.num_chunks, H)](
+        q, k, beta, G, hbuf, dhbuf, U, dU, do, Ainv, scratch[0], scratch[1], dq, dk, d_G, dlast_parts, dbeta_parts,
+        meta.chunk_start, meta.chunk_len, scale, H, T * H, K=K, V=V, BKT=block_kt, SAFE_GATE=safe_gate,
+        DOT_BF16=opts["DOT_BF16"], **DQK_CONFIG)
+    gate_bwd_kernel[(num_kt, meta.num_chunks, H)](
+        d_G, dlast_parts, f, A_log if has_a else f, dt_bias if has_bias else f, dg, dA_parts, ddt_parts,
+        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), H, K=K, BKT=block_kt, GATE=gate, HAS_A=has_a,
+        HAS_BIAS=has_bias, **GATE_BWD_CONFIG)
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
     dA_log = dA_parts.sum((0, 2)) if has_a else None
     ddt_bias = ddt_parts.sum(0).reshape(H * K) if has_bias else None

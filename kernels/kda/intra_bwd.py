@@ -1,23 +1,25 @@
-"""Per-chunk backward: everything except the reverse state walk (state.py), in two kernels.
+"""Per-chunk backward: everything except the reverse state walk (state.py), in three kernels.
 
 `intra_bwd_dv_kernel` (one program per (chunk, head)) contracts over V for the [64, 64] chunk-mixing
 gradients and dv. With u = Ainv (beta v - kb S) (kb = beta k exp(G)), dAinv = du (beta v - kb S)^T, so
     dL = -(Ainv^T dAinv Ainv^T) = -(Ainv^T du) u^T   (strictly lower, L = diag(beta) Akk),
     dMqk = dO u^T,  dv = beta Ainv^T du:
 one [64, 64] product Ainv^T du per V tile serves dv and dL, and neither S nor k is read.
-`intra_bwd_dqkg_kernel` (one program per (K tile, chunk, head)) is column-local in K: the state
-contractions dw = -du S^T, dkgl = u dS^T, dqg = dO S^T for its K columns, then dMqk / dL through the decayed
-products (same reference-row factorisation as the forward, as full 64-row dots whose rows or columns are
-masked to one 16-row block), the reverse cumsum dg = sum_{s >= t} dG_s, and the gate derivatives.
-Splitting K keeps each program's accumulators at a few [64, 64] tiles, so nothing spills on sm_90
-(tests/kernels/test_kda_compile.py). Both kernels write per-program partial sums (dbeta over K tiles,
-dA_log and ddt_bias over chunks) that the host adds up: deterministic, no atomics.
+`intra_bwd_dqk_kernel` (one program per (16-row block x K tile, chunk, head)) is row-local in the chunk and
+column-local in K: the state contractions for its rows (dkb = -(Ainv[:, blk]^T du) S^T, dkgl = u dS^T,
+dqg = dO S^T), then dMqk / dL through the decayed products: the row side of its rows as [16, 64] x [64, BK]
+products, the column side of its keys from each later row block as [16, 16] x [16, BK] products, both
+around the first row of the row's block (the forward's factorisation), so each pair is computed once per
+side and nothing is masked away. It writes dq, dk, the per-token dG (fp32) and each block's share of the
+chunk's last row. `gate_bwd_kernel` (per (K tile, chunk, head)) reverse-sums dG over the chunk into dg and
+takes it through the gate. The kernels write per-program partial sums (dbeta over K tiles, dA_log and
+ddt_bias over chunks) that the host adds up: deterministic, no atomics.
 
 Precision (bf16 inputs): dG is a sum of terms that cancel (exp(G_t - G_s) is shift-invariant: the pair (t, s)
 adds X_ts to dG_t on the row side and -X_ts to dG_s on the column side). Both sides used to round their
 decayed operands (q e^{G-r} on one side, k e^{r-G} on the other) to bf16 differently, so the pairs did not
 cancel and dg, dA_log, ddt_bias carried errors of the size of the cancelled terms. Now every fp32 operand
-that feeds dG (the decayed q / k tiles, dw, Ainv^T du) goes through dot_split (bf16 hi + lo, ~16 bits), and
+that feeds dG (the decayed q / k tiles, Ainv^T du) goes through dot_split (bf16 hi + lo, ~16 bits), and
 dMqk / dL are rounded once (bf16 scratch) so both sides of a pair see the same value.
 """
 
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.kda.gate import gate_grads
-from kernels.kda.intra import dot_split, load_tile, store_tile, to_dot
+from kernels.kda.intra import dot_split, load_tile, row_block, store_tile, to_dot
 
 
 @triton.jit
@@ -64,96 +66,150 @@ def load_col(ptr, t0, col, h, H, D: tl.constexpr, kc, BKT: tl.constexpr):
 
 
 @triton.jit
-def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, dL_buf, f, A_log, dt_bias,
-                          dq, dk, dg, dbeta_parts, dA_parts, ddt_parts, chunk_start, chunk_len, scale,
-                          lower_bound, H, part_stride, K: tl.constexpr, V: tl.constexpr, BKT: tl.constexpr,
-                          BV: tl.constexpr, SAFE_GATE: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, DOT_BF16: tl.constexpr):
-    kt, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def intra_bwd_dqk_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, dL_buf, dq, dk, dG_buf, dlast_parts,
+                         dbeta_parts, chunk_start, chunk_len, scale, H, part_stride, K: tl.constexpr,
+                         V: tl.constexpr, BKT: tl.constexpr, BV: tl.constexpr, SAFE_GATE: tl.constexpr,
+                         DOT_BF16: tl.constexpr):
+    """dq, dk and the per-token dG of one 16-row block of a chunk, for K columns kc..kc+BKT-1."""
+    pid, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kt, blk = pid // 4, pid % 4
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
+    r0 = blk * 16
+    if r0 >= n:  # the chunk is shorter than this block
+        return
     kc = kt * BKT
-    t, d = tl.arange(0, 64), kc + tl.arange(0, BKT)
-    kmask, row_ok = d < K, t < n
-    m2 = row_ok[:, None] & kmask[None, :]
+    s16, t, d = tl.arange(0, 16), tl.arange(0, 64), kc + tl.arange(0, BKT)
+    rows = r0 + s16
+    kmask, rok, row_ok = d < K, rows < n, t < n
+    m16 = rok[:, None] & kmask[None, :]
 
-    # 1) state contractions over V for this K tile
-    d_w = tl.zeros([64, BKT], dtype=tl.float32)
-    d_kgl = tl.zeros([64, BKT], dtype=tl.float32)
-    d_qg = tl.zeros([64, BKT], dtype=tl.float32)
+    # 1) state contractions for the block's rows; d_kb = Ainv[:, blk]^T dw with dw = -dU S^T, taken as
+    # -(Ainv[:, blk]^T dU) S^T per V tile (no [64, BKT] dw, the [16, BV] product split for dG's sake)
+    a_blk_t = tl.trans(to_dot(load_tile(Ainv, t0, n, h, H, 64, r0, 16), DOT_BF16))
+    d_kb = tl.zeros([16, BKT], dtype=tl.float32)
+    d_qg = tl.zeros([16, BKT], dtype=tl.float32)
+    d_kgl = tl.zeros([16, BKT], dtype=tl.float32)
     d_glast = tl.zeros([BKT], dtype=tl.float32)
     for v0 in range(0, V, BV):
+        e = v0 + tl.arange(0, BV)
         S = tl.load(tl.make_block_ptr(hbuf + (c * H + h) * K * V, (K, V), (V, 1), (kc, v0), (BKT, BV), (1, 0)),
                     boundary_check=(0, 1), padding_option="zero")
         dS = tl.load(tl.make_block_ptr(dhbuf + (c * H + h) * K * V, (K, V), (V, 1), (kc, v0), (BKT, BV), (1, 0)),
                      boundary_check=(0, 1), padding_option="zero")
         S_t = tl.trans(to_dot(S, DOT_BF16))
-        d_w -= tl.dot(to_dot(load_tile(dU, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
-        d_qg += tl.dot(to_dot(load_tile(dO, t0, n, h, H, V, v0, BV), DOT_BF16), S_t)
-        d_kgl += tl.dot(to_dot(load_tile(U, t0, n, h, H, V, v0, BV), DOT_BF16), tl.trans(to_dot(dS, DOT_BF16)))
+        x = tl.dot(a_blk_t, to_dot(load_tile(dU, t0, n, h, H, V, v0, BV), DOT_BF16))
+        d_kb -= dot_split(x, S_t, True, DOT_BF16)
+        d_qg += tl.dot(to_dot(row_block(dO, t0, r0, n, H * V, h * V, e, V), DOT_BF16), S_t)
+        d_kgl += tl.dot(to_dot(row_block(U, t0, r0, n, H * V, h * V, e, V), DOT_BF16), tl.trans(to_dot(dS, DOT_BF16)))
         d_glast += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
 
     # 2) through w = Ainv kb (kb = beta k e^G), kgl = k e^{Gl - G}, qg = scale q e^G
-    q_c = load_tile(q, t0, n, h, H, K, kc, BKT)
-    k_c = load_tile(k, t0, n, h, H, K, kc, BKT)
-    g_c = load_tile(G, t0, n, h, H, K, kc, BKT)
-    b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
-    e_g = tl.exp(g_c)
-    d_kb = dot_split(tl.trans(load_tile(Ainv, t0, n, h, H, 64, 0, 64)), d_w, False, DOT_BF16)
-    d_k = d_kb * b_all[:, None] * e_g
-    d_b = tl.sum(d_kb * k_c * e_g, 1)
-    d_g = d_k * k_c
+    q_i = row_block(q, t0, r0, n, H * K, h * K, d, K)
+    k_i = row_block(k, t0, r0, n, H * K, h * K, d, K)
+    g_i = row_block(G, t0, r0, n, H * K, h * K, d, K)
+    b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
+    e_g = tl.exp(g_i)
+    d_k = d_kb * b_i[:, None] * e_g
+    d_b = tl.sum(d_kb * k_i * e_g, 1)
+    d_g = d_k * k_i
     g_last = load_col(G, t0, n - 1, h, H, K, kc, BKT)
-    e_l = tl.exp(tl.where(m2, g_last[None, :] - g_c, float("-inf")))
+    e_l = tl.exp(tl.where(m16, g_last[None, :] - g_i, float("-inf")))
     d_k += d_kgl * e_l
-    d_g -= d_kgl * k_c * e_l
-    last_terms = tl.sum(d_kgl * k_c * e_l, 0) + tl.exp(g_last) * d_glast
-    d_g += tl.where(t[:, None] == n - 1, last_terms[None, :], 0.0)
+    to_last = d_kgl * k_i * e_l  # moves from row t to the chunk's last row (through Gl)
+    d_g -= to_last
+    last = tl.sum(to_last, 0) + tl.where(blk == 0, tl.exp(g_last) * d_glast, 0.0)
+    tl.store(dlast_parts + ((c * H + h) * 4 + blk) * K + d, last, mask=kmask)
     d_q = d_qg * e_g * scale
-    d_g += d_q * q_c
+    d_g += d_q * q_i
 
-    # 3) dMqk, dL through the decayed products, one 16-row block (reference row r) at a time
-    d_m = to_dot(load_tile(dM_buf, t0, n, h, H, 64, 0, 64), DOT_BF16)  # rounded once: both sides of a pair
-    d_l = to_dot(load_tile(dL_buf, t0, n, h, H, 64, 0, 64), DOT_BF16)  # see the same value and cancel exactly
-    kb_c = k_c * b_all[:, None]
-    for r0 in range(0, n, 16):  # a loop, not unrolled: one block's temporaries live at a time
-        g_r = load_col(G, t0, tl.minimum(r0, n - 1), h, H, K, kc, BKT)
-        in_block = (t >= r0) & (t < r0 + 16) & row_ok
-        e_row = tl.exp(tl.where(in_block[:, None] & kmask[None, :], g_c - g_r[None, :], float("-inf")))
-        if SAFE_GATE:
-            ncol = r0 + 16
-        else:
-            ncol = r0
-        e_col = tl.exp(tl.where(((t < ncol) & row_ok)[:, None] & kmask[None, :], g_r[None, :] - g_c, float("-inf")))
-        # column side: what rows t of the block send to key s
-        col = dot_split(tl.trans(d_m), q_c * e_row, False, DOT_BF16)
-        col = (col + dot_split(tl.trans(d_l), kb_c * e_row, False, DOT_BF16)) * e_col
-        # row side: what keys s send to the rows t of the block
-        kl = k_c * e_col
-        r_q = dot_split(d_m, kl, False, DOT_BF16) * e_row
-        r_k = dot_split(d_l, kl, False, DOT_BF16) * e_row
-        d_q += r_q
-        d_k += col + b_all[:, None] * r_k
-        d_g += q_c * r_q + kb_c * r_k - col * k_c
-        d_b += tl.sum(k_c * r_k, 1)
-    if not SAFE_GATE:  # diagonal tiles position by position (unbounded gate): exp(G_t - G_s), t >= s, same tile
-        for s in range(0, n):
-            k_s = load_col(k, t0, s, h, H, K, kc, BKT)
-            g_s = load_col(G, t0, s, h, H, K, kc, BKT)
-            ok = (t >= s) & (t < (s // 16) * 16 + 16) & row_ok
-            e = tl.exp(tl.where(ok[:, None] & kmask[None, :], g_c - g_s[None, :], float("-inf")))
-            dm_s = tl.load(dM_buf + (t0 + t) * H * 64 + h * 64 + s, mask=row_ok, other=0.0).to(tl.float32)
-            dl_s = tl.load(dL_buf + (t0 + t) * H * 64 + h * 64 + s, mask=row_ok, other=0.0).to(tl.float32)
+    # 3) the decayed products exp(G_t - G_s) = exp(G_t - r_i) exp(r_i - G_s), r_i = G at the first row of the
+    # row's block i: every factor <= 1 except inside the diagonal tile, where a lower-bounded gate keeps it
+    # <= e^{15 |g_min|}. Row side: keys s of the block's rows t.
+    k_all = load_tile(k, t0, n, h, H, K, kc, BKT)
+    g_all = load_tile(G, t0, n, h, H, K, kc, BKT)
+    kb_i = k_i * b_i[:, None]
+    g_r = load_col(G, t0, r0, h, H, K, kc, BKT)
+    if SAFE_GATE:
+        ncol = r0 + 16
+    else:  # the diagonal tile goes position by position below
+        ncol = r0
+    e_row = tl.exp(tl.where(m16, g_i - g_r[None, :], float("-inf")))
+    e_col = tl.exp(tl.where(((t < ncol) & row_ok)[:, None] & kmask[None, :], g_r[None, :] - g_all, float("-inf")))
+    kl = k_all * e_col
+    d_m_i = to_dot(row_block(dM_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
+    d_l_i = to_dot(row_block(dL_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
+    r_q = dot_split(d_m_i, kl, False, DOT_BF16) * e_row
+    r_k = dot_split(d_l_i, kl, False, DOT_BF16) * e_row
+    d_q += r_q
+    d_k += b_i[:, None] * r_k
+    d_g += q_i * r_q + kb_i * r_k
+    d_b += tl.sum(k_i * r_k, 1)
+
+    # column side: rows t of block i >= blk send to the block's keys s, around the same r_i = G[16 i] as the
+    # row side of those pairs used, so the two halves of each pair's dG (+X at t, -X at s) cancel exactly
+    col = tl.zeros([16, BKT], dtype=tl.float32)
+    for i in range(blk if SAFE_GATE else blk + 1, 4):
+        ri = i * 16
+        rows_i = ri + s16
+        ok_i = (rows_i < n)[:, None] & kmask[None, :]
+        g_ref = load_col(G, t0, tl.minimum(ri, n - 1), h, H, K, kc, BKT)
+        e_b = tl.exp(tl.where(ok_i, row_block(G, t0, ri, n, H * K, h * K, d, K) - g_ref[None, :], float("-inf")))
+        b_b = tl.load(beta + (t0 + rows_i) * H + h, mask=rows_i < n, other=0.0).to(tl.float32)
+        pair = (t0 + rows_i)[:, None] * (H * 64) + h * 64 + rows[None, :]  # dM[t in block i, s in blk]
+        d_m_ts = tl.load(dM_buf + pair, mask=(rows_i < n)[:, None], other=0.0)
+        d_l_ts = tl.load(dL_buf + pair, mask=(rows_i < n)[:, None], other=0.0)
+        x_q = row_block(q, t0, ri, n, H * K, h * K, d, K) * e_b
+        x_k = row_block(k, t0, ri, n, H * K, h * K, d, K) * b_b[:, None] * e_b
+        part = dot_split(tl.trans(to_dot(d_m_ts, DOT_BF16)), x_q, False, DOT_BF16)
+        part += dot_split(tl.trans(to_dot(d_l_ts, DOT_BF16)), x_k, False, DOT_BF16)
+        col += part * tl.exp(tl.where(m16, g_ref[None, :] - g_i, float("-inf")))
+    d_k += col
+    d_g -= col * k_i
+
+    if not SAFE_GATE:  # diagonal tile position by position (unbounded gate): exp(G_t - G_s), t >= s in the block
+        for j in range(0, 16):
+            s = r0 + j
+            s_ok = s < n
+            k_s = load_col(k, t0, tl.minimum(s, n - 1), h, H, K, kc, BKT)
+            g_s = load_col(G, t0, tl.minimum(s, n - 1), h, H, K, kc, BKT)
+            ok = (rows >= s) & rok & s_ok
+            e = tl.exp(tl.where(ok[:, None] & kmask[None, :], g_i - g_s[None, :], float("-inf")))
+            dm_s = tl.load(dM_buf + (t0 + rows) * H * 64 + h * 64 + s, mask=rok & s_ok, other=0.0).to(tl.float32)
+            dl_s = tl.load(dL_buf + (t0 + rows) * H * 64 + h * 64 + s, mask=rok & s_ok, other=0.0).to(tl.float32)
             p_m = dm_s[:, None] * e
-            p_l = (dl_s * b_all)[:, None] * e
+            p_l = (dl_s * b_i)[:, None] * e
             d_q += p_m * k_s[None, :]
             d_k += p_l * k_s[None, :]
-            d_b += tl.sum(dl_s[:, None] * e * k_c * k_s[None, :], 1)
-            pair = p_m * q_c + p_l * k_c  # gradient reaching k_s from every row t
+            d_b += tl.sum(dl_s[:, None] * e * k_i * k_s[None, :], 1)
+            pair = p_m * q_i + p_l * k_i  # gradient reaching k_s from every row t
             d_g += pair * k_s[None, :]
-            d_k += tl.where(t[:, None] == s, tl.sum(pair, 0)[None, :], 0.0)
-            d_g -= tl.where(t[:, None] == s, tl.sum(pair * k_s[None, :], 0)[None, :], 0.0)
+            d_k += tl.where(rows[:, None] == s, tl.sum(pair, 0)[None, :], 0.0)
+            d_g -= tl.where(rows[:, None] == s, tl.sum(pair * k_s[None, :], 0)[None, :], 0.0)
 
-    # 4) dg = reverse cumsum of dG over the chunk, then through the gate activation
+    offs = (t0 + rows)[:, None] * (H * K) + h * K + d[None, :]
+    tl.store(dq + offs, d_q.to(dq.dtype.element_ty), mask=m16)
+    tl.store(dk + offs, d_k.to(dk.dtype.element_ty), mask=m16)
+    tl.store(dG_buf + offs, d_g, mask=m16)
+    tl.store(dbeta_parts + (1 + kt) * part_stride + (t0 + rows) * H + h, d_b, mask=rok)
+
+
+@triton.jit
+def gate_bwd_kernel(dG_buf, dlast_parts, f, A_log, dt_bias, dg, dA_parts, ddt_parts, chunk_start, chunk_len,
+                    lower_bound, H, K: tl.constexpr, BKT: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+    """dg = reverse cumsum over the chunk of dG (plus the last row's share), then through the gate activation,
+    with per-program partial sums of the dA_log / ddt_bias terms."""
+    kt, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
+    kc = kt * BKT
+    t, d = tl.arange(0, 64), kc + tl.arange(0, BKT)
+    kmask = d < K
+    m2 = (t < n)[:, None] & kmask[None, :]
+    d_g = load_tile(dG_buf, t0, n, h, H, K, kc, BKT)
+    last = tl.zeros([BKT], dtype=tl.float32)
+    for blk in range(4):
+        last += tl.load(dlast_parts + ((c * H + h) * 4 + blk) * K + d, mask=kmask, other=0.0)
+    d_g += tl.where(t[:, None] == n - 1, last[None, :], 0.0)
     d_gate = tl.where(m2, tl.sum(d_g, 0)[None, :] - tl.cumsum(d_g, 0) + d_g, 0.0)
     if GATE != 0:
         x = load_tile(f, t0, n, h, H, K, kc, BKT)
@@ -169,7 +225,4 @@ def intra_bwd_dqkg_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, d
         d_gate = tl.where(m2, d_gate * dg_dx, 0.0)
         if HAS_BIAS:
             tl.store(ddt_parts + (c * H + h) * K + d, tl.sum(d_gate, 0), mask=kmask)
-    store_tile(dq, d_q, t0, n, h, H, K, kc, BKT)
-    store_tile(dk, d_k, t0, n, h, H, K, kc, BKT)
     store_tile(dg, d_gate, t0, n, h, H, K, kc, BKT)
-    tl.store(dbeta_parts + (1 + kt) * part_stride + (t0 + t) * H + h, d_b, mask=row_ok)

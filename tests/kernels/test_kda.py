@@ -122,7 +122,7 @@ def test_saturated_gate_at_lower_bound():
 @interpreter_case
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
 def test_head_dim_128(gate):
-    """K = 128 as on the GPU: several K slices in intra_fwd_kernel and K tiles in intra_bwd_dqkg_kernel."""
+    """K = 128 as on the GPU: several K slices in intra_fwd_kernel and K tiles in intra_bwd_dqk_kernel."""
     x = make_inputs(1, 70, 1, 128, 32, seed=13)
     assert_match(run_pair(x, gate), 1e-4, NAMES)
 
