@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels.moe_combine import moe_combine
 from megatron_ext.moe.experts import group_rank, group_size
 from megatron_ext.moe.quantile import Routing
 
@@ -33,9 +34,11 @@ class DispatchState:
     """What :meth:`AllToAllDispatcher.combine` needs from the matching dispatch."""
 
     pair_order: torch.Tensor  # [n_kept] flat (token * k + slot) ids of kept pairs, sorted by expert
+    source: torch.Tensor  # [N * k] row of each pair in dispatch order (the inverse of pair_order); n_kept if dropped
     send_splits: list[int]  # rows sent to each EP rank
     recv_splits: list[int]  # rows received from each EP rank
     expert_order: torch.Tensor | None  # [M] received-row order that groups rows by local expert
+    expert_unsort: torch.Tensor | None  # its inverse
     num_tokens: int
     top_k: int
 
@@ -80,10 +83,12 @@ class AllToAllDispatcher:
         flat_experts = routing.experts.reshape(-1)
         sort_key = flat_experts.where(flat_experts >= 0, self.num_experts)  # dropped pairs last
         pair_order = torch.sort(sort_key, stable=True).indices[:sum(send_splits)]
-        permuted = _GatherTokens.apply(hidden, pair_order, top_k)
+        source = torch.full((num_tokens * top_k,), len(pair_order), dtype=torch.long, device=hidden.device)
+        source[pair_order] = torch.arange(len(pair_order), device=hidden.device)
+        permuted = _GatherTokens.apply(hidden, pair_order, source, top_k)
 
         tokens_per_expert = mine.sum(0).to(hidden.device)
-        expert_order = None
+        expert_order = expert_unsort = None
         if self.ep_size == 1:
             received = permuted  # already grouped by expert
         else:
@@ -92,8 +97,11 @@ class AllToAllDispatcher:
             block_expert = torch.arange(num_local).repeat(self.ep_size)
             row_expert = block_expert.repeat_interleave(mine.reshape(-1)).to(hidden.device)
             expert_order = torch.sort(row_expert, stable=True).indices
-            received = received.index_select(0, expert_order)
-        state = DispatchState(pair_order, send_splits, recv_splits, expert_order, num_tokens, top_k)
+            expert_unsort = torch.empty_like(expert_order)
+            expert_unsort[expert_order] = torch.arange(len(expert_order), device=expert_order.device)
+            received = _PermuteRows.apply(received, expert_order, expert_unsort)
+        state = DispatchState(pair_order, source, send_splits, recv_splits, expert_order, expert_unsort, num_tokens,
+                              top_k)
         return received, tokens_per_expert, state
 
     def combine(self, expert_output: torch.Tensor, gates: torch.Tensor, state: DispatchState) -> torch.Tensor:
@@ -101,18 +109,9 @@ class AllToAllDispatcher:
         returned in ``expert_output``'s dtype. Dropped pairs contribute nothing."""
         out = expert_output
         if state.expert_order is not None:
-            unsort = torch.empty_like(state.expert_order)
-            unsort[state.expert_order] = torch.arange(len(unsort), device=unsort.device)
-            out = out.index_select(0, unsort)
+            out = _PermuteRows.apply(out, state.expert_unsort, state.expert_order)
             out = _all_to_all(out, state.send_splits, state.recv_splits, self.ep_group)
-        hidden_size = out.shape[-1]
-        # Scatter into a dense [N * k, h] slot buffer (each slot written at most once, so this is
-        # deterministic on every device), then reduce over k with the gates.
-        slots = out.new_zeros(state.num_tokens * state.top_k, hidden_size)
-        slots = slots.index_copy(0, state.pair_order, out)
-        slots = slots.view(state.num_tokens, state.top_k, hidden_size).float()
-        combined = torch.bmm(gates.unsqueeze(1), slots).squeeze(1)
-        return combined.to(expert_output.dtype)
+        return moe_combine(out, gates, state.source)
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -122,21 +121,33 @@ class _GatherTokens(torch.autograd.Function):
     the GPU)."""
 
     @staticmethod
-    def forward(ctx, hidden, pair_order, top_k):
-        ctx.save_for_backward(pair_order)
+    def forward(ctx, hidden, pair_order, source, top_k):
+        ctx.save_for_backward(source)
         ctx.num_tokens, ctx.top_k = hidden.shape[0], top_k
         return hidden.index_select(0, pair_order // top_k)
 
     @staticmethod
     def backward(ctx, grad):
-        (pair_order,) = ctx.saved_tensors
-        num_slots, rows = ctx.num_tokens * ctx.top_k, grad.shape[0]
-        if rows < num_slots:  # dropped pairs read an appended zero row
+        (source,) = ctx.saved_tensors
+        if grad.shape[0] < source.numel():  # dropped pairs read an appended zero row
             grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
-        source = torch.full((num_slots,), rows, dtype=torch.long, device=grad.device)
-        source[pair_order] = torch.arange(rows, device=grad.device)
         per_slot = grad.index_select(0, source).view(ctx.num_tokens, ctx.top_k, grad.shape[1])
-        return per_slot.sum(1), None, None
+        return per_slot.sum(1), None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x[perm]`` for a permutation ``perm``; the backward gathers with ``inverse`` (index_select's
+    backward would scatter with index_add_)."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 class _AllToAll(torch.autograd.Function):
