@@ -25,7 +25,7 @@ GATE_CONFIG = dict(num_warps=8)  # gate cumsum + L2 norm of q and k
 DV_CONFIG = dict(BV=32, num_warps=8, num_stages=3)
 DQK_CONFIG = dict(BV=32, num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
 GATE_BWD_CONFIG = dict(num_warps=8)
-BKT = 32  # K tile of the dq/dk/dg kernels
+BKT = 32  # K tile of the dq/dk/dg kernels (never 16: see _block_k)
 KS = 64  # K slice of the decayed products in intra_fwd_kernel
 L2_ROWS = 32  # rows per program of the L2-norm backward
 
@@ -46,7 +46,9 @@ class ChunkMeta:
 
 
 def _block_k(K):
-    return max(16, triton.next_power_of_2(K))
+    # At least 32: Triton 3.6 miscompiles the K-tiled backward dots at 16 on sm_90 (out-of-bounds shared
+    # reads, found with compute-sanitizer); head dims below 32 run masked in a 32-wide tile.
+    return max(32, triton.next_power_of_2(K))
 
 
 def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm):

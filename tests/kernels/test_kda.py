@@ -150,17 +150,18 @@ def test_bad_shapes_raise():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gate", ["lower_bound", "softplus"])
-def test_bf16_on_gpu_matches_fp32_reference(gate):
-    x = make_inputs(2, 300, 4, 128, 128, device="cuda")
+@pytest.mark.parametrize("head_dim", [16, 128])  # 16 runs masked in a 32-wide K tile (Triton 3.6 sm_90 bug at 16)
+def test_bf16_on_gpu_matches_fp32_reference(gate, head_dim):
+    x = make_inputs(2, 300, 4, head_dim, head_dim, device="cuda")
     results = run_pair(x, gate, dtype=torch.bfloat16)
     assert_match(results, 1e-2, ("q", "k", "v", "beta", "h0"))
     # dg comes out of a reverse cumsum of terms that cancel (shift invariance of exp(G_t - G_s)); dA_log and
-    # dt_bias sum it over every token. In bf16 the cancellation leaves ~1.5% on dg and ~12% (max-normalised)
-    # on the two parameter gradients (measured on the H200 by tools/bench_kda.py); these bounds pin that, not more.
+    # dt_bias sum it over every token. tools/bench_kda.py measured 0.7% on dg and 0.2-0.3% on the two
+    # parameter gradients on the H200; the bounds leave room for other shapes, not for a broken reduction.
     (_, _, grads), (_, _, grads_ref) = results
     assert rel_err(grads["g"], grads_ref["g"]) < 3e-2
     for n in ("A_log", "dt_bias"):
-        assert rel_err(grads[n], grads_ref[n]) < 0.25, n
+        assert rel_err(grads[n], grads_ref[n]) < 5e-2, n
 
 
 @pytest.mark.gpu
