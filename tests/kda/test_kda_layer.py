@@ -164,24 +164,37 @@ def test_lower_bound_out_of_range_names_the_key():
         kda_config(kda_gate="exp")
 
 
+def _max_rel_err(actual, expected):
+    return float((actual.float() - expected).abs().max() / expected.abs().max())
+
+
+def _run_layer(layer, x, cotangent):
+    layer.zero_grad(set_to_none=True)
+    out, _ = layer(x)
+    (out.float() * cotangent).sum().backward()
+    return out.float().cpu(), {n: p.grad.float().cpu() for n, p in layer.named_parameters()}
+
+
 @pytest.mark.gpu
 def test_layer_on_gpu_matches_cpu():
-    """The Triton path in bf16 (in-kernel gate and L2 norm; what Float16Module runs) equals the fp32 CPU
-    reference path within bf16 tolerance, grads included; A_log and dt_bias stay fp32."""
+    """The Triton path in bf16 (in-kernel gate and L2 norm; what Float16Module runs) lands as close to
+    the fp32 CPU layer as the same layer in bf16 on the CPU reference path does, grads included.
+
+    The bf16 noise floor is measured here rather than assumed: the low-rank gate and the conv weights
+    sum cancelling per-token terms, so bf16 alone leaves 3-15% (max-normalised) on their gradients at
+    this size; a broken kernel lands far outside twice that floor."""
     layer = perturbed_layer(kda_config())
-    x = torch.randn(SEQ, BATCH, HIDDEN)
-    cotangent = torch.randn(SEQ, BATCH, HIDDEN)
-    out_cpu, _ = layer(x)
-    (out_cpu * cotangent).sum().backward()
-    grads_cpu = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    layer.zero_grad(set_to_none=True)
-    layer.cuda().bfloat16()
+    x, cotangent = torch.randn(SEQ, BATCH, HIDDEN), torch.randn(SEQ, BATCH, HIDDEN)
+    out_ref, grads_ref = _run_layer(layer, x, cotangent)
+    layer.bfloat16()
+    out_cpu16, grads_cpu16 = _run_layer(layer, x.bfloat16(), cotangent)
+    layer.cuda()
     assert layer.A_log.dtype == torch.float32 and layer.A_log.is_cuda
-    out_gpu, _ = layer(x.cuda().bfloat16())
-    (out_gpu.float() * cotangent.cuda()).sum().backward()
-    assert_close_to_scale(out_gpu.float().cpu(), out_cpu.detach(), rel=3e-2, name="output")
-    for name, p in layer.named_parameters():
-        assert_close_to_scale(p.grad.float().cpu(), grads_cpu[name], rel=6e-2, name=name)
+    out_gpu, grads_gpu = _run_layer(layer, x.cuda().bfloat16(), cotangent.cuda())
+    assert _max_rel_err(out_gpu, out_ref) <= max(2 * _max_rel_err(out_cpu16, out_ref), 1e-2)
+    for name, g in grads_ref.items():
+        allowed = max(2 * _max_rel_err(grads_cpu16[name], g), 2e-2)
+        assert _max_rel_err(grads_gpu[name], g) <= allowed, name
 
 
 @pytest.mark.gpu
