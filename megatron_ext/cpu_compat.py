@@ -31,6 +31,11 @@ Megatron's no-Apex stand-ins for Apex's multi-tensor kernels are replaced by tor
 per parameter tensor) and ``local_multi_tensor_scale`` (``dst.copy_(src * scale)``: an fp32 temporary
 per tensor when clipping). Same values (``tests/test_cpu_compat.py``); stock Megatron optimizers built
 elsewhere in the process keep Megatron's own path; with Apex or Transformer Engine present it does nothing.
+:func:`use_fused_adamw_step` goes further for Megatron's mixed-precision (non-distributed) optimizer: its
+``step_with_ready_grads`` runs ``kernels.adamw`` (one pass per tensor: AdamW, the clip coefficient and the
+fp32-to-bf16 model copy; Megatron makes three), and inside the scoped step Megatron's
+``clip_grad_by_total_norm_fp32`` hands those optimizers' coefficient to that kernel instead of scaling the
+gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested).
 
 Transformer Engine's ``te_general_gemm``: Megatron-Core 0.16 referenced it without a guard;
 0.19.2 sets it to ``None`` when Transformer Engine is absent and checks before use, so no patch
@@ -42,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -219,22 +225,102 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
+# id -> main param of the optimizers on the fused AdamW step (weak: models built and freed in one process,
+# as the benchmarks do, must not stay alive through this table)
+_fused_main_params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_pending_clip: dict[int, float] = {}  # id(main param) -> clip coefficient of the step under way
+
+
+def _clip_into_fused_step(original):
+    """Megatron's ``clip_grad_by_total_norm_fp32`` with the fused optimizers' parameters left unscaled: their
+    coefficient (Megatron's ``max_norm / (total_norm + 1e-6)``, applied when below 1) goes to the AdamW
+    kernel as its gradient scale."""
+
+    def clip(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        fused = [p for p in params if _fused_main_params.get(id(p)) is p]
+        if fused and not use_decoupled_grad:
+            coeff = float(max_norm) / (float(total_norm) + 1.0e-6)
+            for p in fused:
+                _pending_clip[id(p)] = min(coeff, 1.0)
+            params = [p for p in params if _fused_main_params.get(id(p)) is not p]
+        if params:
+            original(params, max_norm, total_norm, use_decoupled_grad=use_decoupled_grad)
+
+    return clip
+
+
+def use_fused_adamw_step(optimizer) -> int:
+    """Put every ``Float16OptimizerWithFloat16Params`` (Megatron's mixed-precision, non-distributed optimizer)
+    over a torch ``AdamW`` (no amsgrad/maximize) inside ``optimizer`` (chained or not) on the fused step of
+    ``kernels.adamw``; the others keep theirs. Must run before the first step; returns how many switched.
+    The optimizer state stays torch's (``step``, ``exp_avg``, ``exp_avg_sq`` per main param), so
+    checkpoints are unchanged. Takes effect with :func:`scoped_fast_fallbacks` around ``step``."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    switched = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if type(opt) is not Float16OptimizerWithFloat16Params or getattr(opt, "is_stub_optimizer", False):
+            continue
+        if type(inner) is not torch.optim.AdamW or any(g["amsgrad"] or g["maximize"] for g in inner.param_groups):
+            continue
+        if inner.state:
+            raise ValueError("use_fused_adamw_step must run before the optimizer's first step")
+        model_of = {id(main): model for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+                    for model, main in zip(models, mains)}
+        for group in inner.param_groups:
+            _fused_main_params.update({id(p): p for p in group["params"]})
+        opt.step_with_ready_grads = lambda opt=opt, model_of=model_of: _fused_adamw_step(opt, model_of)
+        switched += 1
+    return switched
+
+
+@torch.no_grad()
+def _fused_adamw_step(opt, model_of: dict) -> bool:
+    """Megatron's ``step_with_ready_grads`` (inner step, then main -> model copy) as one kernel per tensor."""
+    from kernels.adamw import adamw_step_
+
+    inner = opt.optimizer
+    for group in inner.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        states = [inner.state[p] for p in params]
+        for p, state in zip(params, states):  # torch's lazy init (fused: fp32 step on the device)
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if params:
+            torch._foreach_add_([s["step"] for s in states], 1.0)
+        beta1, beta2 = group["betas"]
+        for p, state in zip(params, states):
+            adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], model_of.get(id(p)),
+                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], grad_scale=_pending_clip.pop(id(p), 1.0))
+    return True
+
+
 @contextlib.contextmanager
 def fast_fallbacks():
     """Inside: Megatron's clip_grads module uses :func:`foreach_l2_norm` / :func:`foreach_scale` in place of
     its no-Apex stand-ins (left alone when Apex or Transformer Engine supplies the real kernels)."""
     from megatron.core import utils as mcore_utils
     from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    if clip_grads.l2_norm_impl is not mcore_utils.local_multi_tensor_l2_norm:
-        yield
-        return
+    _pending_clip.clear()  # a step that returned early (inf/nan) leaves nothing behind
+    saved_clip = mcore_optimizer.clip_grad_by_total_norm_fp32
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_into_fused_step(saved_clip)
+    no_apex = clip_grads.l2_norm_impl is mcore_utils.local_multi_tensor_l2_norm
     saved = clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl
-    clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = foreach_l2_norm, foreach_scale
+    if no_apex:
+        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = foreach_l2_norm, foreach_scale
     try:
         yield
     finally:
         clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = saved
+        mcore_optimizer.clip_grad_by_total_norm_fp32 = saved_clip
 
 
 def scoped_fast_fallbacks(optimizer):

@@ -164,9 +164,10 @@ def build_optimizer(
     fast_step: bool = True,
 ):
     """Megatron's AdamW (distributed over DP ranks when asked) for the DDP-wrapped chunks. With ``fast_step``
-    (default) the step runs torch's fused Adam kernel and foreach grad-norm/clipping
-    (:func:`use_fused_adam`, :func:`megatron_ext.cpu_compat.scoped_fast_fallbacks`); ``False`` keeps what
-    Megatron-Core does without TE/Apex."""
+    (default) the mixed-precision optimizer steps with one kernel per tensor (AdamW + clip coefficient +
+    bf16 model copy: :func:`megatron_ext.cpu_compat.use_fused_adamw_step`), others on torch's fused Adam
+    (:func:`use_fused_adam`), with foreach grad norms (:func:`megatron_ext.cpu_compat.scoped_fast_fallbacks`);
+    ``False`` keeps what Megatron-Core does without TE/Apex."""
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
@@ -183,6 +184,7 @@ def build_optimizer(
     optimizer = get_megatron_optimizer(opt_config, chunks)
     if fast_step:
         use_fused_adam(optimizer)
+        cpu_compat.use_fused_adamw_step(optimizer)
         cpu_compat.scoped_fast_fallbacks(optimizer)
     return optimizer
 

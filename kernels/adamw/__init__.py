@@ -1,0 +1,41 @@
+"""One AdamW step per parameter tensor, fused with gradient clipping and the master-to-model copy.
+
+Entry point :func:`adamw_step_`: the Triton kernel (``fused.py``) for CUDA tensors, the PyTorch reference
+(``naive.py``) otherwise. Same update as ``torch.optim.AdamW`` (amsgrad and maximize off); the caller
+increments ``step`` first (torch's fused AdamW keeps it as an fp32 device scalar). Used by
+:func:`megatron_ext.cpu_compat.fused_adamw_step` inside Megatron's mixed-precision optimizer.
+"""
+
+import torch
+
+from kernels.adamw.naive import adamw_step_reference
+
+__all__ = ["adamw_step_", "adamw_step_reference"]
+
+
+def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                step: torch.Tensor, model_param: torch.Tensor | None, *, lr: float, beta1: float, beta2: float,
+                eps: float, weight_decay: float, grad_scale: float = 1.0, use_kernel: bool | None = None) -> None:
+    """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (fp32, contiguous, same shape) in place from ``grad``
+    (fp32) times ``grad_scale``, and write the result into ``model_param`` (same shape, any float dtype) when
+    given. ``use_kernel`` defaults to ``param.is_cuda``."""
+    tensors = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    if model_param is not None:
+        tensors["model_param"] = model_param
+    for name, t in {"param": param, **tensors}.items():
+        if t.shape != param.shape or not t.is_contiguous() or t.device != param.device:
+            raise ValueError(f"{name} must be contiguous with param's shape {tuple(param.shape)} on {param.device}, "
+                             f"got {tuple(t.shape)} on {t.device}")
+        if name != "model_param" and t.dtype != torch.float32:
+            raise ValueError(f"{name} must be fp32, got {t.dtype}")
+    if step.dtype != torch.float32 or step.numel() != 1:
+        raise ValueError(f"step must be an fp32 scalar tensor, got {step.dtype} {tuple(step.shape)}")
+    if not (0.0 < beta1 < 1.0 and 0.0 < beta2 < 1.0):
+        raise ValueError(f"betas must be in (0, 1), got ({beta1}, {beta2})")
+    kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
+    if param.is_cuda if use_kernel is None else use_kernel:
+        from kernels.adamw.fused import adamw_step
+
+        adamw_step(param, grad, exp_avg, exp_avg_sq, step, model_param, **kw)
+    else:
+        adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, model_param, **kw)

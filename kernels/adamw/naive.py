@@ -1,0 +1,22 @@
+"""PyTorch reference of one fused AdamW step (the maths of ``torch.optim.AdamW``, fp32)."""
+
+import torch
+
+
+@torch.no_grad()
+def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, model_param, *, lr, beta1, beta2, eps,
+                         weight_decay, grad_scale=1.0):
+    """In place, ``step`` already incremented (fp32 scalar tensor, as torch's fused AdamW keeps it):
+    ``g = grad * grad_scale``; decoupled decay; moments; bias-corrected update; ``model_param`` (the
+    low-precision copy the forward reads, or ``None``) gets the new value rounded once."""
+    g = grad * grad_scale
+    param.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    t = float(step)
+    bias_correction1 = 1 - beta1**t
+    bias_correction2_sqrt = (1 - beta2**t) ** 0.5
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    if model_param is not None:
+        model_param.copy_(param)
