@@ -288,6 +288,8 @@ def _fused_adamw_step(opt, model_of: dict) -> bool:
         for p, state in zip(params, states):  # torch's lazy init (fused: fp32 step on the device)
             if "step" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            elif state["step"].device != p.device or state["step"].dtype != torch.float32:
+                state["step"] = state["step"].to(p.device, torch.float32)  # e.g. loaded by a non-fused optimizer
             for key in ("exp_avg", "exp_avg_sq"):
                 if key not in state:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
