@@ -36,6 +36,10 @@ elsewhere in the process keep Megatron's own path; with Apex or Transformer Engi
 fp32-to-bf16 model copy; Megatron makes three), and inside the scoped step Megatron's
 ``clip_grad_by_total_norm_fp32`` hands those optimizers' coefficient to that kernel instead of scaling the
 gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested).
+:func:`use_fresh_main_grads` changes Megatron DDP's gradient buffer for the first backward of a step: the
+first gradient of each parameter is copied into ``main_grad`` (6 bytes per parameter for a bf16 gradient)
+instead of zero-filling the whole buffer and adding into it (14); later micro-batches add as before, and a
+parameter that got no gradient is zeroed before the grads are reduced (tested: identical grads).
 
 Transformer Engine's ``te_general_gemm``: Megatron-Core 0.16 referenced it without a guard;
 0.19.2 sets it to ``None`` when Transformer Engine is absent and checks before use, so no patch
@@ -45,6 +49,7 @@ is needed (``tests/test_cpu_compat.py`` asserts that guard so an upgrade that dr
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -301,6 +306,58 @@ def _fused_adamw_step(opt, model_of: dict) -> bool:
                         lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], grad_scale=_pending_clip.pop(id(p), 1.0))
     return True
+
+
+def use_fresh_main_grads(ddp) -> bool:
+    """Megatron ``DistributedDataParallel``: skip the buffer's zero fill in ``zero_grad_buffer``; instead each
+    parameter's first gradient of the step is copied into its ``main_grad`` by a tensor hook (it runs before
+    autograd's accumulation and DDP's post-hook, which then skips its add through Megatron's own
+    ``grad_added_to_main_grad`` flag). Later gradients of the step (micro-batches, re-entrant recompute) are
+    added by DDP as usual; ``finish_grad_sync`` first zeroes any parameter that got none. The buffer's
+    padding is never written, so it stays zero from allocation. Returns False (nothing changed) under
+    Transformer Engine CUDA graphs, whose captured hooks own that flag."""
+    if getattr(ddp.config, "cuda_graph_impl", "none") == "transformer_engine" or getattr(
+            ddp.ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        return False  # CUDA graphs own the flag; mxfp8 reuses the grad buffer for param gathers
+    params = [p for p in ddp.params_with_grad if p in ddp.param_to_bucket_group]
+    for p in params:
+        p._main_grad_fresh, p._main_grad_copied = False, False
+        p.register_hook(functools.partial(_first_grad_into_main_grad, p))
+    finish_grad_sync = ddp.finish_grad_sync
+
+    def zero_grad_buffer_without_fill():
+        # Megatron 0.19.2's zero_grad_buffer minus the buffers' grad_data.zero_().
+        for p in ddp.params_with_grad:
+            p.grad_added_to_main_grad = False
+        for p in params:
+            p._main_grad_fresh, p._main_grad_copied = True, False
+        for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+            for grad in buffer.extra_main_grads:
+                grad.zero_()
+        for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+            bucket_group.reset()
+
+    def finish_grad_sync_after_zeroing_unused(*args, **kwargs):
+        for p in params:
+            if p._main_grad_fresh:  # no gradient this step: Megatron's zero fill, for this one
+                p.main_grad.zero_()
+                p._main_grad_fresh = False
+        return finish_grad_sync(*args, **kwargs)
+
+    ddp.zero_grad_buffer = zero_grad_buffer_without_fill
+    ddp.finish_grad_sync = finish_grad_sync_after_zeroing_unused
+    return True
+
+
+@torch.no_grad()
+def _first_grad_into_main_grad(param, grad):
+    if param._main_grad_fresh:
+        param.main_grad.copy_(grad)
+        param._main_grad_fresh, param._main_grad_copied = False, True
+        param.grad_added_to_main_grad = True  # DDP's post-hook: already in main_grad
+    elif param._main_grad_copied:
+        param._main_grad_copied = False
+        param.grad_added_to_main_grad = False  # the next gradients: DDP adds them
 
 
 @contextlib.contextmanager

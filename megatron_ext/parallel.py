@@ -133,8 +133,11 @@ def wrap_ddp(
     config: HybridConfig,
     use_distributed_optimizer: bool = False,
     overlap_grad_reduce: bool = False,
+    fresh_main_grads: bool = True,
 ) -> list[DistributedDataParallel]:
-    """Megatron DDP around each chunk; gradients are reduced in fp32."""
+    """Megatron DDP around each chunk; gradients are reduced in fp32. ``fresh_main_grads``: the step's first
+    gradients are copied into the buffer instead of a zero fill plus add
+    (:func:`megatron_ext.cpu_compat.use_fresh_main_grads`); ``False`` is Megatron's own behaviour."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -144,6 +147,9 @@ def wrap_ddp(
         DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
+    if fresh_main_grads:
+        for ddp in wrapped:
+            cpu_compat.use_fresh_main_grads(ddp)
     # Megatron's schedules call this after the last microbatch: DP/SP/embedding grad reductions.
     config.finalize_model_grads_func = finalize_model_grads
     return wrapped

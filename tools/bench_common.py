@@ -104,7 +104,8 @@ def free_device_memory(device: torch.device) -> None:
 
 def build_training_state(build_chunks: Callable[[], list], config, fast_step: bool = True):
     """Model chunks (``Float16Module`` under bf16) -> Megatron DDP -> Megatron AdamW (``fast_step``: see
-    ``megatron_ext.parallel.build_optimizer``; ``False``: what Megatron-Core does without TE/Apex)."""
+    ``megatron_ext.parallel.build_optimizer`` and ``wrap_ddp(fresh_main_grads=...)``; ``False``: what
+    Megatron-Core does without TE/Apex)."""
     from megatron.core.transformer.module import Float16Module
 
     from megatron_ext.parallel import build_optimizer, wrap_ddp
@@ -112,7 +113,7 @@ def build_training_state(build_chunks: Callable[[], list], config, fast_step: bo
     chunks = build_chunks()
     if config.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
-    chunks = wrap_ddp(chunks, config)
+    chunks = wrap_ddp(chunks, config, fresh_main_grads=fast_step)
     optimizer = build_optimizer(chunks, lr=1e-4, bf16=config.bf16, fast_step=fast_step)
     return chunks, optimizer
 
