@@ -242,35 +242,19 @@ def profile_variant(name: str, args, cuda: bool) -> str:
         raise RuntimeError(f"profiling {name} failed: {row['error']}")
     if args.profile_trace:
         prof.export_chrome_trace(args.profile_trace)
-    return kernel_table(prof, name, cuda, row, args.warmup + 1)
+    return profile_markdown(prof, name, cuda, row, args.warmup + 1)
 
 
-def kernel_table(prof, name: str, cuda: bool, row: dict, skipped_steps: int, top: int = 20) -> str:
-    from torch.autograd import DeviceType
+def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int) -> str:
+    from tools.profile_tables import kernel_table, op_table
 
-    events = list(prof.key_averages())
-    if cuda:
-        events = [e for e in events if e.device_type == DeviceType.CUDA] or events
-        key, unit = "self_device_time_total", "CUDA"
-    else:
-        key, unit = "self_cpu_time_total", "CPU"
-    events = [e for e in events if not e.key.startswith("ProfilerStep")]  # the profiler's own step ranges
-    events.sort(key=lambda e: getattr(e, key), reverse=True)
-    total = sum(getattr(e, key) for e in events) or 1.0
     device = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
-    lines = [f"# Profile: `{name}` ({device}, {datetime.date.today().isoformat()})", "",
-             f"`tools/bench_e2e.py --profile {name}`: {PROFILE_ACTIVE_STEPS} training steps after "
-             f"{skipped_steps} unrecorded warm-up steps; sequence {row['seq']}, micro-batch {row['micro_batch']}, "
-             f"{row['gpus']} GPU(s). Top {top} by {unit} time; ms per step is the total over the "
-             f"profiled steps / {PROFILE_ACTIVE_STEPS}; % is of all {unit} time.", "",
-             f"| # | kernel | calls | {unit} ms / step | % |", "| --- | --- | --- | --- | --- |"]
-    for i, e in enumerate(events[:top], 1):
-        us = getattr(e, key)
-        label = e.key.replace("|", "\\|")
-        label = label if len(label) <= 90 else label[:87] + "..."
-        lines.append(f"| {i} | `{label}` | {e.count} | {us / 1e3 / PROFILE_ACTIVE_STEPS:.3f} | "
-                     f"{100 * us / total:.1f} |")
-    return "\n".join(lines) + "\n"
+    head = [f"# Profile: `{name}` ({device}, {datetime.date.today().isoformat()})", "",
+            f"`tools/bench_e2e.py --profile {name}`: {PROFILE_ACTIVE_STEPS} training steps after "
+            f"{skipped_steps} unrecorded warm-up steps; sequence {row['seq']}, micro-batch {row['micro_batch']}, "
+            f"{row['gpus']} GPU(s); step time under the profiler {row['step_ms']:.1f} ms.", ""]
+    return "\n".join(head) + "\n" + kernel_table(prof, PROFILE_ACTIVE_STEPS, cuda) + "\n" + \
+        op_table(prof, PROFILE_ACTIVE_STEPS, cuda)
 
 
 # --- Output --------------------------------------------------------------------------------------
