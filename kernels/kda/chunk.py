@@ -21,7 +21,9 @@ CHUNK = 64
 INTRA_FWD_CONFIG = dict(BV=32, num_warps=8)
 STATE_CONFIG = dict(BV=32, num_warps=8)
 OUTPUT_CONFIG = dict(BV=64, num_warps=4)
-GATE_CONFIG = dict(num_warps=8)  # gate cumsum + L2 norm of q and k
+# gate cumsum + L2 norm of q and k: one tensor per program in 16-row blocks; 64 registers at 4 warps, so ~8
+# programs share an SM (memory bound: what matters is how many loads are in flight)
+GATE_CONFIG = dict(RB=16, num_warps=4)
 DV_CONFIG = dict(BV=32, num_warps=8, num_stages=3)
 DQK_CONFIG = dict(BV=32, num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
 GATE_BWD_CONFIG = dict(num_warps=8)
@@ -57,7 +59,7 @@ def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm):
     T, H, K = f.shape
     G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
     qn, kn = (torch.empty_like(q), torch.empty_like(k)) if l2norm else (q, k)
-    gate_cumsum_kernel[(meta.num_chunks, H)](
+    gate_cumsum_kernel[(meta.num_chunks, H, 3 if l2norm else 1)](
         f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn,
         meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, H=H, K=K, BK=_block_k(K), GATE=gate,
         HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm, **GATE_CONFIG)

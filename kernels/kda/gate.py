@@ -40,26 +40,37 @@ def gate_grads(f, a, bias, lower_bound, GATE: tl.constexpr):
 
 @triton.jit
 def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, chunk_start, chunk_len, lower_bound, eps,
-                       H, K: tl.constexpr, BK: tl.constexpr,
+                       H, K: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
                        GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
-    """One program per (chunk, head): G = cumsum over the chunk of gate(f), in fp32; with NORM also the L2
-    normalised q and k (fp32 math, stored in their dtype), which read the same [64, K] tiles."""
-    c, h = tl.program_id(0), tl.program_id(1)
+    """Grid (chunk, head, 1 + 2 * NORM). Part 0: G = cumsum over the chunk of gate(f), in fp32; with NORM,
+    parts 1 and 2 write the L2-normalised q and k (fp32 math, stored in their dtype).
+    This kernel is bound by memory traffic, so it is shaped for many resident programs per SM: one tensor
+    per program (not all three) and the chunk in blocks of RB rows (the cumsum carries the running sum of
+    the rows before), which keeps the live tiles and their addresses small."""
+    c, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
-    t, d = tl.arange(0, 64), tl.arange(0, BK)
-    mask = (t < n)[:, None] & (d < K)[None, :]
-    offs = (t0 + t)[:, None] * (H * K) + h * K + d[None, :]
-    x = tl.load(f + offs, mask=mask, other=0.0).to(tl.float32)
-    a = 1.0
-    if HAS_A:
-        a = tl.exp(tl.load(A_log + h).to(tl.float32))
-    bias = tl.zeros([1, BK], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(dt_bias + h * K + d, mask=d < K, other=0.0).to(tl.float32)[None, :]
-    g = tl.where(mask, gate_value(x, a, bias, lower_bound, GATE), 0.0)
-    tl.store(G + offs, tl.cumsum(g, 0), mask=mask)
-    if NORM:
-        xq = tl.load(q + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(qn + offs, l2_normalize_rows(xq, eps).to(qn.dtype.element_ty), mask=mask)
-        xk = tl.load(k + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(kn + offs, l2_normalize_rows(xk, eps).to(kn.dtype.element_ty), mask=mask)
+    r, d = tl.arange(0, RB), tl.arange(0, BK)
+    if part == 0:
+        a = 1.0
+        if HAS_A:
+            a = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.zeros([1, BK], dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(dt_bias + h * K + d, mask=d < K, other=0.0).to(tl.float32)[None, :]
+        carry = tl.zeros([BK], dtype=tl.float32)
+        for r0 in tl.static_range(0, 64, RB):
+            mask = (r0 + r < n)[:, None] & (d < K)[None, :]
+            offs = (t0 + r0 + r)[:, None] * (H * K) + h * K + d[None, :]
+            x = tl.load(f + offs, mask=mask, other=0.0).to(tl.float32)
+            g = tl.where(mask, gate_value(x, a, bias, lower_bound, GATE), 0.0)
+            tl.store(G + offs, carry[None, :] + tl.cumsum(g, 0), mask=mask)
+            carry += tl.sum(g, 0)
+    else:
+        src, dst = q, qn
+        if part == 2:
+            src, dst = k, kn
+        for r0 in tl.static_range(0, 64, RB):
+            mask = (r0 + r < n)[:, None] & (d < K)[None, :]
+            offs = (t0 + r0 + r)[:, None] * (H * K) + h * K + d[None, :]
+            x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dst + offs, l2_normalize_rows(x, eps).to(dst.dtype.element_ty), mask=mask)
