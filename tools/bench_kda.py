@@ -91,6 +91,8 @@ def kernel_breakdown(x, gate):
     """CUDA time per kernel name over one fwd+bwd of ours (torch profiler), in ms."""
     do = torch.randn_like(x["v"])
     call(chunk_kda, x, gate).backward(do)
+    for t in x.values():  # else the profiled backward adds into the warm-up's grads (elementwise adds)
+        t.grad = None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call(chunk_kda, x, gate).backward(do)
         torch.cuda.synchronize()
