@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from kernels.short_conv import causal_conv_silu, causal_conv_silu_reference
 from megatron_ext.kda.sharding import TPShardedModule, head_split_parameter, param_device
 
 
@@ -17,6 +17,9 @@ class CausalShortConv(TPShardedModule):
     its heads, the same contiguous slice a ``ColumnParallelLinear`` output has. Takes the full
     sequence ``[s, b, C_local]`` and returns it batch-first, ``[b, s, C_local]``, the layout the
     kernel wants. Samples in the batch never see each other (the batch is the conv's batch dim).
+
+    CUDA inputs go through the fused Triton kernel (``kernels/short_conv``: the layout change fused in,
+    fp32 maths with the fp32 weight); CPU inputs through the PyTorch path (:meth:`reference`).
     """
 
     def __init__(self, config, channels: int, kernel_size: int, tp_group):
@@ -29,8 +32,11 @@ class CausalShortConv(TPShardedModule):
         self.weight = head_split_parameter(weight, tp_group, param_device(config), config.params_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        channels = x.shape[-1]
-        x = x.permute(1, 2, 0)  # [b, C, s]
-        x = F.pad(x, (self.kernel_size - 1, 0))  # causal: left padding only
-        y = F.conv1d(x, self.weight.unsqueeze(1).to(x.dtype), groups=channels)
-        return F.silu(y).transpose(1, 2)
+        weight = self.weight
+        if weight.dtype not in (torch.float32, x.dtype):  # e.g. fp16 params under bf16 activations
+            weight = weight.to(x.dtype)
+        return causal_conv_silu(x, weight)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path (pad + depthwise conv1d + SiLU, weight cast to x's dtype) on any device."""
+        return causal_conv_silu_reference(x, self.weight)
