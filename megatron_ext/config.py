@@ -90,6 +90,9 @@ class HybridConfig(TransformerConfig):
     attn_res_num_blocks: int = 8
     attn_res_block_size: int | None = None
     attn_res_impl: str = "auto"  # depth-attention op: auto | triton | torch
+    # Sum the grads of the embedding and the finished block sums (each read by every later depth
+    # mix) in place in one buffer per source, instead of one tensor per mix added by autograd.
+    attn_res_inplace_source_grads: bool = True
 
     def __post_init__(self):
         self._validate_hybrid()
@@ -210,6 +213,7 @@ USER_FIELDS = (
     "attn_res_num_blocks",
     "attn_res_block_size",
     "attn_res_impl",
+    "attn_res_inplace_source_grads",
     "recompute_granularity",
     "recompute_method",
     "recompute_num_layers",

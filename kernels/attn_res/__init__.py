@@ -11,9 +11,12 @@ Entry point: :func:`depth_attention`. Implementations:
 * ``"torch"``: plain-PyTorch maths (``naive.py``) behind a custom autograd.Function that saves
   only the inputs and recomputes everything in backward.
 
+* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise.
+
 Sources read by many calls can have their gradients summed in place (``grads.py``:
 ``track_source_grad`` / ``SourceGrad``, the ``source_grads`` argument).
-* ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise.
+:func:`depth_attention_unchecked` is the same op without the input checks, for a caller that
+checked once (the model's ``DepthMixer``): it saves the per-call host work.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from kernels.attn_res.naive import depth_attention_recompute, depth_attention_re
 
 __all__ = [
     "depth_attention", "depth_attention_reference", "track_source_grad", "SourceGrad",
-    "IMPLEMENTATIONS", "SUPPORTED_DTYPES",
+    "depth_attention_unchecked", "resolve_impl", "IMPLEMENTATIONS", "SUPPORTED_DTYPES",
 ]
 
 IMPLEMENTATIONS = ("auto", "triton", "torch")
@@ -66,7 +69,7 @@ def depth_attention(
         ``[s, b, h]`` (one source's shape) in the sources' dtype; accumulation is fp32.
         Gradients flow to every source, ``query`` and ``norm_weight`` (in their dtypes).
     """
-    stacked, flat, token_shape = _validate_and_flatten(sources, query, norm_weight, impl)
+    stacked, flat = _validate(sources, query, norm_weight, impl)
     if source_grads is not None:
         source_grads = tuple(source_grads)
         if stacked or len(source_grads) != len(flat):
@@ -75,26 +78,65 @@ def depth_attention(
             raise ValueError("source_grads entries must be SourceGrad or None")
         if not any(g is not None for g in source_grads):
             source_grads = None
-    if impl == "auto":
-        impl = "triton" if flat[0].is_cuda else "torch"
+    impl = resolve_impl(impl, flat[0])
+    if stacked:
+        if impl == "triton":
+            return _fused_function().apply(query, norm_weight, float(eps), True, None, flat[0])
+        return depth_attention_recompute(flat[0], query, norm_weight, float(eps))
+    return depth_attention_unchecked(flat, query, norm_weight, float(eps), impl, source_grads)
+
+
+def depth_attention_unchecked(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    impl: str,
+    source_grads: Sequence[SourceGrad | None] | None = None,
+) -> torch.Tensor:
+    """:func:`depth_attention` without its checks, for callers that made them once.
+
+    The caller guarantees what :func:`depth_attention` checks: ``sources`` a list of n
+    contiguous tensors of one shape ``[..., h]``, dtype and device (1 <= n <= 64),
+    ``query``/``norm_weight`` of shape ``[h]`` on that device, ``eps`` a float, ``impl`` already
+    resolved by :func:`resolve_impl` (``"triton"`` or ``"torch"``) and ``source_grads`` ``None``
+    or one ``SourceGrad``/``None`` per source. ``DepthMixer`` calls it after one checked call.
+    """
     if impl == "triton":
-        if not flat[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return _fused_function().apply(query, norm_weight, eps, False, source_grads, *sources)
+    return depth_attention_recompute(sources, query, norm_weight, eps, source_grads)
+
+
+def resolve_impl(impl: str, source: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"`` for ``impl`` and a (checked) source; raises where the
+    Triton kernel cannot run it."""
+    if impl == "auto":
+        return "triton" if source.is_cuda else "torch"
+    if impl == "triton":
+        if not source.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
-                f"impl='triton' needs CUDA tensors (got {flat[0].device}) or TRITON_INTERPRET=1 set before "
+                f"impl='triton' needs CUDA tensors (got {source.device}) or TRITON_INTERPRET=1 set before "
                 "triton is imported; use impl='torch' or 'auto' on the CPU"
             )
-        if flat[0].shape[-1] > MAX_HIDDEN_TRITON:
-            raise ValueError(f"impl='triton' supports h <= {MAX_HIDDEN_TRITON}, got h={flat[0].shape[-1]}")
-        from kernels.attn_res.fused import FusedDepthAttention  # triton imported on first use
-
-        out = FusedDepthAttention.apply(query, norm_weight, float(eps), stacked, source_grads, *flat)
-    else:
-        out = depth_attention_recompute(flat[0] if stacked else flat, query, norm_weight, float(eps), source_grads)
-    return out.view(token_shape)
+        if source.shape[-1] > MAX_HIDDEN_TRITON:
+            raise ValueError(f"impl='triton' supports h <= {MAX_HIDDEN_TRITON}, got h={source.shape[-1]}")
+    return impl
 
 
-def _validate_and_flatten(sources, query, norm_weight, impl):
-    """Returns (stacked, flat tensors [n, T, h] or n x [T, h], one source's shape)."""
+_FUSED = None
+
+
+def _fused_function():
+    global _FUSED
+    if _FUSED is None:  # triton imported on first use
+        from kernels.attn_res.fused import FusedDepthAttention
+
+        _FUSED = FusedDepthAttention
+    return _FUSED
+
+
+def _validate(sources, query, norm_weight, impl):
+    """Returns (stacked, [the stacked tensor] or the n sources), each made contiguous."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
     if isinstance(sources, torch.Tensor):
@@ -125,11 +167,10 @@ def _validate_and_flatten(sources, query, norm_weight, impl):
         if param.device != first.device:
             raise ValueError(f"{name} is on {param.device} but the sources are on {first.device}")
     if isinstance(sources, torch.Tensor):
-        n = sources.shape[0]
-        _check_source_count(n)
-        return True, [sources.contiguous().view(n, -1, hidden)], first.shape
+        _check_source_count(sources.shape[0])
+        return True, [sources.contiguous()]
     _check_source_count(len(members))
-    return False, [t.contiguous().view(-1, hidden) for t in members], first.shape
+    return False, [t.contiguous() for t in members]
 
 
 def _check_source_count(n: int) -> None:

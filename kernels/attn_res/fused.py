@@ -31,6 +31,7 @@ the constexpr n), so nothing is ever stacked.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -162,6 +163,7 @@ class LaunchConfig:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=None)
 def launch_config(hidden: int, tile_elements: int) -> LaunchConfig:
     """About ``tile_elements`` values per tile (whole rows), about 8 per thread.
 
@@ -185,6 +187,8 @@ FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one 
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
 _resident_programs: dict = {}
+_PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+_backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
 
 
 def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device) -> int:
@@ -203,26 +207,32 @@ def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device)
     return _resident_programs[key]
 
 
-def _backward_grid(device: torch.device, num_tiles: int, kernel=None, args=None, kwargs=None, num_warps=1) -> int:
+def _backward_capacity(device: torch.device, kernel=None, args=None, kwargs=None, num_warps=1) -> int:
+    """Backward programs that run at once (one wave); the grid is ``min(tiles, capacity)``."""
     if device.type != "cuda":
-        return max(1, min(num_tiles, 2))  # interpreter: still exercises the per-program loop
+        return 2  # interpreter: still exercises the per-program loop
     per_sm = BACKWARD_PROGRAMS_PER_SM or _programs_per_sm(kernel, args, kwargs, num_warps, device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(num_tiles, per_sm * sms))
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tokens(source: torch.Tensor) -> tuple[int, int]:
+    """(T, h) of a contiguous ``[..., h]`` source: the kernels index it as ``[T, h]``."""
+    hidden = source.shape[-1]
+    return (source.numel() // hidden if hidden else 0), hidden
 
 
 def fused_depth_attention_forward(
     sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``sources``: n contiguous ``[T, h]`` tensors; returns (``out [T, h]`` in their dtype,
-    ``lse [T]`` fp32, the log of the softmax normaliser)."""
-    T, H = sources[0].shape
+    """``sources``: n contiguous ``[..., h]`` tensors (T tokens); returns (``out`` of their shape
+    and dtype, ``lse [T]`` fp32, the log of the softmax normaliser)."""
+    T, H = _tokens(sources[0])
     out = torch.empty_like(sources[0])
     lse = torch.empty(T, dtype=torch.float32, device=out.device)
     if T == 0:
         return out, lse
     cfg = launch_config(H, FORWARD_TILE_ELEMENTS)
-    grid = (triton.cdiv(T, cfg.block_t),)
+    grid = (-(-T // cfg.block_t),)
     _depth_attention_fwd_kernel[grid](
         tuple(sources), query, norm_weight, out, lse, T, H, eps,
         N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, FUSE_REDUCTIONS=FORWARD_FUSE_REDUCTIONS,
@@ -241,37 +251,59 @@ def fused_depth_attention_backward(
     grad_out: torch.Tensor,
     grad_sources: Sequence[torch.Tensor],
     accumulate: Sequence[bool],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    need_query: bool = True,
+    need_norm_weight: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Writes (or, where ``accumulate[i]``, adds) each source's grad into ``grad_sources[i]``
-    (contiguous ``[T, h]``); returns (grad query, grad norm_weight)."""
-    T, H = sources[0].shape
+    (contiguous, the sources' shape); returns (grad query, grad norm_weight), ``None`` where
+    not needed."""
+    T, H = _tokens(sources[0])
     cfg = launch_config(H, BACKWARD_TILE_ELEMENTS)
     if T == 0:
         g = torch.zeros(H, dtype=torch.float32, device=grad_out.device)
     else:
-        mask = sum(1 << i for i, flag in enumerate(accumulate) if flag)
-        kwargs = dict(N=len(sources), ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
+        mask = 0
+        for i, flag in enumerate(accumulate):
+            if flag:
+                mask |= 1 << i
+        n = len(sources)
+        device = grad_out.device
+        key = (device, n, mask, cfg, sources[0].dtype, BACKWARD_FUSE_REDUCTIONS, BACKWARD_PREFETCH,
+               BACKWARD_PROGRAMS_PER_SM)
+        kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
                       FUSE_REDUCTIONS=BACKWARD_FUSE_REDUCTIONS, PREFETCH=BACKWARD_PREFETCH)
-        placeholder = torch.empty((1, H), dtype=torch.float32, device=grad_out.device)
-        args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, placeholder, T, H, eps]
-        programs = _backward_grid(grad_out.device, triton.cdiv(T, cfg.block_t), _depth_attention_bwd_kernel,
-                                  args, kwargs, cfg.num_warps)
-        partial_g = torch.empty((programs, H), dtype=torch.float32, device=grad_out.device)
-        args[7] = partial_g
+        args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, None, T, H, eps]
+        capacity = _backward_capacities.get(key)
+        if capacity is None:  # first call with this key: compile, read the register count
+            args[7] = torch.empty((1, H), dtype=torch.float32, device=device)  # a stand-in
+            capacity = _backward_capacities[key] = _backward_capacity(
+                device, _depth_attention_bwd_kernel, args, kwargs, cfg.num_warps
+            )
+        programs = max(1, min(-(-T // cfg.block_t), capacity))
+        args[7] = partial_g = torch.empty((programs, H), dtype=torch.float32, device=device)
         _depth_attention_bwd_kernel[(programs,)](*args, num_warps=cfg.num_warps, **kwargs)
         g = partial_g.sum(dim=0)
-    grad_query = (g * norm_weight.float()).to(query.dtype)
-    grad_norm_weight = (g * query.float()).to(norm_weight.dtype)
-    return grad_query, grad_norm_weight
+    # g is fp32; an fp32 x (fp32, bf16 or fp16) product is computed in fp32 (type promotion),
+    # as with an explicit .float(); cast only where the parameter is not fp32.
+    return (
+        _product(g, norm_weight, query.dtype) if need_query else None,
+        _product(g, query, norm_weight.dtype) if need_norm_weight else None,
+    )
+
+
+def _product(g: torch.Tensor, other: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    product = g * (other if other.dtype in _PROMOTE_TO_FP32 else other.float())
+    return product if product.dtype == dtype else product.to(dtype)
 
 
 class FusedDepthAttention(torch.autograd.Function):
     """Saves the sources, query, norm weight, the output and ``lse`` (fp32 [T]); one-pass backward.
 
     ``apply(query, norm_weight, eps, stacked, source_grads, *sources)``: with ``stacked`` one
-    ``[n, T, h]`` tensor is given (its grad comes back as one tensor); otherwise n ``[T, h]``
-    tensors. ``source_grads`` is ``None`` or one :class:`~kernels.attn_res.grads.SourceGrad`
-    (or ``None``) per source: a source with one gets its grad added into that buffer by the
+    contiguous ``[n, ..., h]`` tensor is given (its grad comes back as one tensor); otherwise n
+    contiguous ``[..., h]`` tensors (no views are made: the kernels index them as ``[T, h]``).
+    ``source_grads`` is ``None`` or one :class:`~kernels.attn_res.grads.SourceGrad` (or ``None``)
+    per source: a source with one gets its grad added into that buffer by the
     kernel and returns ``None`` to autograd; the others get a fresh tensor each.
 
     The output is saved for ``c = dout . out``: it is the tensor this op returns, which its
@@ -313,13 +345,7 @@ class FusedDepthAttention(torch.autograd.Function):
                 dests.append(current)
                 returned.append(None)
         grad_query, grad_norm_weight = fused_depth_attention_backward(
-            views, query, norm_weight, ctx.eps, out, lse, grad_out.contiguous(), dests, accumulate
+            views, query, norm_weight, ctx.eps, out, lse, grad_out.contiguous(), dests, accumulate,
+            needs[0], needs[1],
         )
-        return (
-            grad_query if needs[0] else None,
-            grad_norm_weight if needs[1] else None,
-            None,
-            None,
-            None,
-            *returned,
-        )
+        return grad_query, grad_norm_weight, None, None, None, *returned

@@ -69,6 +69,7 @@ class AttnResTransformerBlock(TransformerBlock):
         self.block_size = sublayers_per_block(config)
         self.first_sublayer = 2 * offset
         self.end_sublayer = 2 * (offset + len(self.layers))
+        self.track = getattr(config, "attn_res_inplace_source_grads", True)  # in-place block grads
         # The final aggregation over all sources, before the final norm (last stage only).
         self.final_mixer = DepthMixer(config) if self.post_process else None
 
@@ -99,7 +100,7 @@ class AttnResTransformerBlock(TransformerBlock):
                 state = self._run(start, end, checkpoint, state, layer_kwargs)
         if not self.post_process:
             return pack_for_pipeline(state, pipeline_slots(self.config, self.end_sublayer))
-        out = self.final_mixer(state.sources())
+        out = self.final_mixer(state.sources(), state.source_grads())
         if self.final_layernorm is not None:
             out = self.final_layernorm(out)
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
@@ -107,10 +108,10 @@ class AttnResTransformerBlock(TransformerBlock):
     def _entry_state(self, hidden_states) -> DepthState:
         if self.pre_process:
             embedding = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-            return DepthState([embedding])
+            return DepthState.entering([embedding], track=self.track)
         num_blocks, has_partial = sources_entering(self.first_sublayer, self.block_size)
         slots = pipeline_slots(self.config, self.first_sublayer)
-        return unpack_from_pipeline(self.input_tensor, num_blocks, has_partial, slots)
+        return unpack_from_pipeline(self.input_tensor, num_blocks, has_partial, slots, self.track)
 
     def _layer_groups(self) -> list[tuple[int, int, bool]]:
         """``(start, end, checkpointed)`` layer ranges, as Megatron's "full" recompute splits them."""
@@ -131,11 +132,13 @@ class AttnResTransformerBlock(TransformerBlock):
                 state = layer(state, **layer_kwargs)
             return state
         # Checkpoint functions take and return tensors: pass all sources in, get back only the
-        # tensors the group created (closed blocks, then the partial sum if one is open).
+        # tensors the group created (closed blocks, then the partial sum if one is open). The
+        # inner state tracks its blocks itself (only in the recompute: the checkpoint's forward
+        # runs without grad); their sums reach the outer blocks through the checkpoint's grads.
         num_blocks = len(state.blocks)
 
         def run_group(*sources):
-            inner = DepthState.from_flat(sources, num_blocks)
+            inner = DepthState.from_flat(sources, num_blocks, self.track)
             for layer in layers:
                 inner = layer(inner, **layer_kwargs)
             return inner.new_since(num_blocks)
@@ -147,7 +150,8 @@ class AttnResTransformerBlock(TransformerBlock):
         closed = sum(sum(layer.closes) for layer in layers)
         _, has_partial = sources_entering(2 * (layers[-1].layer_number), self.block_size)
         assert len(created) == closed + has_partial, (len(created), closed, has_partial)
-        return DepthState([*state.blocks, *created[:closed]], created[closed] if has_partial else None)
+        blocks = [*state.blocks, *created[:closed]]
+        return DepthState.entering(blocks, created[closed] if has_partial else None, self.track, known=state)
 
 
 class AttnResGPTModel(GPTModel):

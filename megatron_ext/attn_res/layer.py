@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from kernels.attn_res import depth_attention
+from kernels.attn_res import depth_attention, depth_attention_unchecked, resolve_impl
 from megatron_ext.attn_res.state import DepthState, closes_block, sublayers_per_block
 
 
@@ -26,24 +26,37 @@ class DepthMixer(MegatronModule):
     parameters, replicated over tensor-parallel ranks. Under sequence parallelism each rank mixes
     its own sequence shard, so their grads are partial sums: ``sequence_parallel = True`` makes
     Megatron's ``finalize_model_grads`` all-reduce them over the TP group.
+
+    ``source_grads`` (from :meth:`DepthState.source_grads`): the blocks' in-place grad sums.
+    The first call (and any call whose sources differ in count, shape, dtype or device from the
+    last checked one) goes through ``depth_attention``'s checks; the others take its unchecked
+    path (a ``DepthState`` keeps all its sources alike and contiguous).
     """
 
     def __init__(self, config):
         super().__init__(config=config)
-        self.eps = config.layernorm_epsilon
+        self.eps = float(config.layernorm_epsilon)
         self.impl = config.attn_res_impl
         self.query = torch.nn.Parameter(torch.zeros(config.hidden_size, dtype=torch.float32))
         self.key_norm_weight = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=torch.float32))
         for p in (self.query, self.key_norm_weight):
             setattr(p, "sequence_parallel", config.sequence_parallel)
+        self._checked = None  # (n, shape, dtype, device, the parameters' device) of the last checked call
+        self._resolved_impl = None
 
     def _apply(self, fn, recurse=True):
         # Keep the logit parameters fp32 when the model is cast (Float16Module's .bfloat16()):
         # the softmax over depth is computed in fp32 from them. Device moves still apply.
         return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
 
-    def forward(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        return depth_attention(sources, self.query, self.key_norm_weight, eps=self.eps, impl=self.impl)
+    def forward(self, sources: list[torch.Tensor], source_grads=None) -> torch.Tensor:
+        first, query, weight = sources[0], self.query, self.key_norm_weight
+        key = (len(sources), first.shape, first.dtype, first.device, query.device)
+        if key == self._checked:
+            return depth_attention_unchecked(sources, query, weight, self.eps, self._resolved_impl, source_grads)
+        out = depth_attention(sources, query, weight, eps=self.eps, impl=self.impl, source_grads=source_grads)
+        self._checked, self._resolved_impl = key, resolve_impl(self.impl, first)
+        return out
 
 
 class AttnResTransformerLayer(TransformerLayer):
@@ -78,7 +91,7 @@ class AttnResTransformerLayer(TransformerLayer):
         padding_mask: torch.Tensor | None = None,
         **_unused,
     ) -> DepthState:
-        h = self.attn_mixer(state.sources())
+        h = self.attn_mixer(state.sources(), state.source_grads())
         attn = self.self_attention(
             self.input_layernorm(h),
             attention_mask=attention_mask,
@@ -86,7 +99,7 @@ class AttnResTransformerLayer(TransformerLayer):
             packed_seq_params=packed_seq_params,
         )
         state = state.add(self._output(attn), close=self.closes[0])
-        h = self.mlp_mixer(state.sources())
+        h = self.mlp_mixer(state.sources(), state.source_grads())
         mlp_input = self.pre_mlp_layernorm(h)
         mlp = self.mlp(mlp_input, padding_mask=padding_mask) if padding_mask is not None else self.mlp(mlp_input)
         return state.add(self._output(mlp), close=self.closes[1])

@@ -11,6 +11,14 @@ entering sublayer ``j`` there are ``1 + j // S`` blocks and a partial sum iff ``
 Pipeline stages exchange one tensor: the sources concatenated along the sequence dim,
 ``[n_sources * s, b, h]``, so every unpacked source is a contiguous view (no copy, and the
 depth-attention op reads it in place).
+
+In-place source grads (``attn_res_inplace_source_grads``): every block (the embedding, each
+finished block sum, each block unpacked from a pipeline receive) is read by every later depth
+mix. It is wrapped once, where it enters the state, by ``track_source_grad``; its
+:class:`~kernels.attn_res.SourceGrad` rides along in ``block_grads`` and every mixer passes it
+to ``depth_attention``, whose backwards add their contributions into one buffer. Blocks are
+tracked only while autograd records (not in a checkpoint's no-grad forward, nor in inference);
+the partial sum (read by one mix) is never tracked.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels.attn_res import SourceGrad, track_source_grad
 
 
 def sublayers_per_block(config) -> int:
@@ -37,35 +47,84 @@ def sources_entering(sublayer: int, block_size: int) -> tuple[int, bool]:
     return 1 + sublayer // block_size, sublayer % block_size != 0
 
 
+def _alike(tensor: torch.Tensor, first: torch.Tensor, what: str) -> torch.Tensor:
+    """``tensor``, contiguous, after checking it matches ``first`` (b_0) in shape, dtype, device."""
+    if tensor.shape != first.shape or tensor.dtype != first.dtype or tensor.device != first.device:
+        raise ValueError(
+            f"{what} {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} does not match the depth "
+            f"sources ({tuple(first.shape)} {first.dtype} on {first.device})"
+        )
+    return tensor.contiguous()
+
+
+def _track(block: torch.Tensor, enabled: bool) -> tuple[torch.Tensor, SourceGrad | None]:
+    if enabled and block.requires_grad and torch.is_grad_enabled():
+        return track_source_grad(block)
+    return block, None
+
+
 @dataclass
 class DepthState:
     """Depth sources of one microbatch: ``blocks`` = [b_0, b_1, ...], ``partial`` or ``None``.
 
-    All tensors are ``[s, b, h]`` (the local sequence shard under sequence parallelism).
+    All tensors are ``[s, b, h]`` (the local sequence shard under sequence parallelism), of one
+    shape, dtype and device, contiguous (``add`` checks each new partial sum against ``b_0``, so
+    the depth mixers can skip that per call). ``block_grads``: ``None`` (in-place source grads
+    off) or one ``SourceGrad`` (or ``None``: not tracked) per block. Build states that take in
+    new blocks with :meth:`entering` so those are tracked.
     """
 
     blocks: list[torch.Tensor]
     partial: torch.Tensor | None = None
+    block_grads: list[SourceGrad | None] | None = None
+
+    @staticmethod
+    def entering(blocks, partial=None, track: bool = False, known: "DepthState | None" = None) -> "DepthState":
+        """A state whose ``blocks`` after ``known``'s (all of them, without ``known``) are new here:
+        with ``track`` each new block is wrapped by ``track_source_grad`` (where autograd records)."""
+        blocks = list(blocks)
+        start = len(known.blocks) if known is not None else 0
+        for i in range(start, len(blocks)):
+            blocks[i] = _alike(blocks[i], blocks[0], "block")
+        if partial is not None:
+            partial = _alike(partial, blocks[0], "partial sum")
+        if not track:
+            return DepthState(blocks, partial)
+        grads = list(known.block_grads or [None] * start) if known is not None else []
+        for i in range(start, len(blocks)):
+            blocks[i], grad = _track(blocks[i], True)
+            grads.append(grad)
+        return DepthState(blocks, partial, grads)
 
     def sources(self) -> list[torch.Tensor]:
         return self.blocks if self.partial is None else [*self.blocks, self.partial]
 
+    def source_grads(self) -> list[SourceGrad | None] | None:
+        """One ``SourceGrad`` or ``None`` per entry of :meth:`sources`; ``None`` if off."""
+        if self.block_grads is None:
+            return None
+        return self.block_grads if self.partial is None else [*self.block_grads, None]
+
     def add(self, output: torch.Tensor, close: bool) -> "DepthState":
         """Add a sublayer's output to the partial sum; ``close`` ends the block with it."""
         partial = output if self.partial is None else self.partial + output
-        if close:
+        partial = _alike(partial, self.blocks[0], "sublayer output")
+        if not close:
+            return DepthState(self.blocks, partial, self.block_grads)
+        if self.block_grads is None:
             return DepthState([*self.blocks, partial], None)
-        return DepthState(self.blocks, partial)
+        block, grad = _track(partial, True)
+        return DepthState([*self.blocks, block], None, [*self.block_grads, grad])
 
     # -- flat form: for activation checkpointing, whose functions take and return tensors ----
     def flat(self) -> tuple[torch.Tensor, ...]:
         return tuple(self.sources())
 
     @staticmethod
-    def from_flat(tensors, num_blocks: int) -> "DepthState":
+    def from_flat(tensors, num_blocks: int, track: bool = False) -> "DepthState":
         tensors = list(tensors)
         partial = tensors[num_blocks] if len(tensors) > num_blocks else None
-        return DepthState(tensors[:num_blocks], partial)
+        return DepthState.entering(tensors[:num_blocks], partial, track)
 
     def new_since(self, num_blocks_before: int) -> tuple[torch.Tensor, ...]:
         """Tensors created after a point where there were ``num_blocks_before`` blocks."""
@@ -83,12 +142,15 @@ def pack_for_pipeline(state: DepthState, slots: int) -> torch.Tensor:
     return torch.cat([*sources, *pad], dim=0)
 
 
-def unpack_from_pipeline(packed: torch.Tensor, num_blocks: int, has_partial: bool, slots: int) -> DepthState:
-    """Inverse of :func:`pack_for_pipeline`: contiguous ``[s, b, h]`` views of ``packed``."""
+def unpack_from_pipeline(
+    packed: torch.Tensor, num_blocks: int, has_partial: bool, slots: int, track: bool = False
+) -> DepthState:
+    """Inverse of :func:`pack_for_pipeline`: contiguous ``[s, b, h]`` views of ``packed``
+    (with ``track``, the blocks tracked as they enter the state)."""
     if packed.shape[0] % slots:
         raise ValueError(
             f"received pipeline tensor of shape {tuple(packed.shape)}; its first dim is not "
             f"{slots} depth sources of equal length (is variable_seq_lengths set?)"
         )
     views = packed.view(slots, packed.shape[0] // slots, *packed.shape[1:]).unbind(0)
-    return DepthState(list(views[:num_blocks]), views[num_blocks] if has_partial else None)
+    return DepthState.entering(views[:num_blocks], views[num_blocks] if has_partial else None, track)

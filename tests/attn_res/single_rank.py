@@ -81,6 +81,42 @@ def mixer_inputs_at_init(num_blocks: int):
     return seen
 
 
+RECOMPUTE_FIRST_LAYER = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
+
+
+def inplace_source_grads(num_blocks: int, **overrides):
+    """Logits and grads with in-place source-grad sums off and on, and per tracked block the
+    number of contributions added into its ``SourceGrad`` in the backward pass."""
+    from kernels.attn_res import SourceGrad
+    from megatron_ext.attn_res import state as state_module
+
+    tokens, pos = _batch()
+    results, counts = [], {}
+    add_, track = SourceGrad.add_, state_module.track_source_grad
+
+    def counting_add(self, grad):
+        counts[id(self)] += 1
+        return add_(self, grad)
+
+    def counting_track(source):
+        tracked, source_grad = track(source)
+        counts[id(source_grad)] = 0
+        return tracked, source_grad
+
+    for inplace in (False, True):
+        model = _model(
+            attn_res=True, attn_res_num_blocks=num_blocks, attn_res_inplace_source_grads=inplace, **overrides
+        )
+        runner.randomise_mixers([model])
+        probe = torch.randn(*tokens.shape, model.config.padded_vocab_size(), generator=torch.Generator().manual_seed(5))
+        SourceGrad.add_, state_module.track_source_grad = counting_add, counting_track
+        try:
+            results.append(_logits_and_grads(model, lambda: model(tokens, pos, None), probe))
+        finally:
+            SourceGrad.add_, state_module.track_source_grad = add_, track
+    return results[0], results[1], list(counts.values())
+
+
 def run_all(rank, world_size):
     from megatron_ext.parallel import initialize_parallel
 
@@ -92,6 +128,9 @@ def run_all(rank, world_size):
         "one_block_zero_queries": one_block_vs_standard(random_queries=False),
         "one_block_random_queries": one_block_vs_standard(random_queries=True),
         "init_mixers": mixer_inputs_at_init(2),
+        "inplace_blocks": inplace_source_grads(2),
+        "inplace_full": inplace_source_grads(8),
+        "inplace_recompute": inplace_source_grads(2, **RECOMPUTE_FIRST_LAYER),
         "saved_bytes_standard": saved_activation_bytes(),
         "saved_bytes_full_attn_res": saved_activation_bytes(attn_res=True, attn_res_num_blocks=8),
     }

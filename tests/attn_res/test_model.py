@@ -75,3 +75,34 @@ def test_activation_memory_is_one_mixed_input_per_sublayer_more_than_standard(re
     standard, one = results["saved_bytes_standard"]
     attn_res, _ = results["saved_bytes_full_attn_res"]
     assert attn_res - standard <= 9 * one, (attn_res - standard) / one
+
+
+@pytest.mark.parametrize(
+    "key,expected_counts",
+    [
+        # 4 layers = 8 sublayers. Blocks of 4: b_0 read by all 8 mixes and the final one, b_1 by
+        # sublayers 4..7 and the final mix, b_2 by the final mix only.
+        ("inplace_blocks", [9, 5, 1]),
+        # Full AttnRes: b_k (k >= 1) closes after sublayer k - 1 and is read by the 8 - k later
+        # sublayers and the final mix.
+        ("inplace_full", [9, 8, 7, 6, 5, 4, 3, 2, 1]),
+        # Layer 0 checkpointed: outside, b_0 is read by sublayers 2..7 and the final mix (7)
+        # and passed to the checkpoint (an ordinary autograd grad); the recompute tracks its own
+        # b_0 (read by sublayers 0, 1), then b_1 (5) and b_2 (1) as before.
+        ("inplace_recompute", [7, 5, 1, 2]),
+    ],
+)
+def test_inplace_source_grads_equal_autograd_sums(results, key, expected_counts):
+    """In-place source-grad sums on vs off (fp32, CPU, random mixers): the same logits and
+    grads, and every tracked block got one contribution from each depth mix that reads it (a
+    mix not passing its SourceGrads, or one dropped, would change a count or a grad)."""
+    (off_logits, off_grads), (on_logits, on_grads), counts = results[key]
+    assert counts == expected_counts, counts
+    assert torch.equal(on_logits, off_logits)
+    assert set(on_grads) == set(off_grads)
+    exact = key != "inplace_recompute"  # there b_0's in-place sum and the checkpoint's grad are added last
+    for name, off in off_grads.items():
+        if exact:
+            assert torch.equal(on_grads[name], off), name
+        else:
+            torch.testing.assert_close(on_grads[name], off, rtol=1e-6, atol=1e-7 * float(off.abs().max()))

@@ -1,0 +1,121 @@
+"""Host (Python) overhead of one depth-attention call, forward and backward, on the CPU.
+
+The Triton kernels are replaced by no-ops, so what is timed is only the wrapper: validation,
+the autograd Function, allocations, launch-parameter work and the small torch ops around the
+kernels (the CPU time that, in the training step, decides whether the CPU keeps ahead of the
+GPU). Tiny sources (``[8, 2, 128]``) keep the CPU allocator cheap, like CUDA's caching
+allocator. The Triton launch itself (``kernel[grid](...)``) is not included.
+
+Cases: n sources, as the model calls them: all but the last (the partial sum) given a
+``SourceGrad`` ("tracked") or none ("plain"); through the public ``depth_attention`` and, where
+present, through ``depth_attention_unchecked`` (what ``DepthMixer`` calls after its first call).
+
+    python tools/bench_attnres_overhead.py [--reps 300]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # impl="triton" on CPU tensors
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.attn_res import depth_attention, track_source_grad  # noqa: E402
+from kernels.attn_res import fused  # noqa: E402
+
+SHAPE = (8, 2, 128)
+
+
+class _NoLaunch:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](...)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+def _patch_kernels():
+    for name in ("_depth_attention_fwd_kernel", "_depth_attention_bwd_kernel", "_depth_attention_finish_kernel"):
+        if hasattr(fused, name):
+            setattr(fused, name, _NoLaunch())
+
+
+CALLS_PER_GRAPH = 8  # mixers reading the same sources in one forward / backward
+
+
+def _time(fn, reps: int, trials: int = 5) -> float:
+    """µs per call: the best of ``trials`` timings (this thread's CPU time: torch runs on one thread
+    here, autograd runs CPU graphs on the calling thread) of ``reps`` graphs (a shared machine's noise
+    only ever adds time)."""
+    for _ in range(min(50, reps)):
+        fn()
+    best = float("inf")
+    for _ in range(trials):
+        start = time.thread_time()
+        for _ in range(reps):
+            fn()
+        best = min(best, time.thread_time() - start)
+    return best / reps / CALLS_PER_GRAPH * 1e6
+
+
+def measure(n: int, tracked: bool, reps: int, via_mixer: bool) -> tuple[float, float]:
+    """(forward µs, forward + backward µs) per call: ``CALLS_PER_GRAPH`` calls (each with its own
+    query and norm weight, as the model's mixers) read the same n sources; one backward over all
+    of them (autograd sums the untracked sources' grads; the tracked ones are summed in place)."""
+    leaves = [torch.randn(SHAPE, requires_grad=True) for _ in range(n)]
+    params = [
+        (torch.zeros(SHAPE[-1], requires_grad=True), torch.ones(SHAPE[-1], requires_grad=True))
+        for _ in range(CALLS_PER_GRAPH)
+    ]
+    grad_out = torch.ones(SHAPE)
+    unchecked = None
+    if via_mixer:
+        from kernels.attn_res import depth_attention_unchecked as unchecked
+
+    def forward():
+        sources, grads = list(leaves), [None] * n
+        if tracked:  # the model tracks every block once, not per call
+            for i in range(n - 1):
+                sources[i], grads[i] = track_source_grad(leaves[i])
+        if unchecked is not None:
+            return [unchecked(sources, q, g, 1e-6, "triton", grads if tracked else None) for q, g in params]
+        return [depth_attention(sources, q, g, 1e-6, "triton", grads if tracked else None) for q, g in params]
+
+    def forward_backward():
+        outs = forward()
+        wrt = [*leaves, *(t for pair in params for t in pair)]
+        torch.autograd.grad(outs, wrt, [grad_out] * len(outs))
+
+    return _time(forward, reps), _time(forward_backward, reps)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--reps", type=int, default=100)
+    args = p.parse_args(argv)
+    _patch_kernels()
+    torch.set_num_threads(1)
+    try:
+        from kernels.attn_res import depth_attention_unchecked  # noqa: F401
+
+        paths = [("depth_attention", False), ("unchecked", True)]
+    except ImportError:  # before the unchecked path existed
+        paths = [("depth_attention", False)]
+    print(f"{'path':16s} {'n':>2s} {'sources':8s} {'fwd us':>8s} {'fwd+bwd us':>10s} {'bwd us':>8s}")
+    for label, via_mixer in paths:
+        for n in (2, 5, 9):
+            for tracked in (False, True):
+                fwd, both = measure(n, tracked, args.reps, via_mixer)
+                kind = "tracked" if tracked else "plain"
+                print(f"{label:16s} {n:2d} {kind:8s} {fwd:8.1f} {both:10.1f} {both - fwd:8.1f}")
+
+
+if __name__ == "__main__":
+    main()
