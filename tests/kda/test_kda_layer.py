@@ -172,7 +172,8 @@ def _run_layer(layer, x, cotangent):
     layer.zero_grad(set_to_none=True)
     out, _ = layer(x)
     (out.float() * cotangent).sum().backward()
-    return out.float().cpu(), {n: p.grad.float().cpu() for n, p in layer.named_parameters()}
+    # clone: fp32 grads would otherwise be the live .grad tensors, which a later .cuda() moves in place
+    return out.float().cpu().clone(), {n: p.grad.float().cpu().clone() for n, p in layer.named_parameters()}
 
 
 @pytest.mark.gpu

@@ -42,10 +42,11 @@ def test_bf16_kernel_matches_fp32_reference(n, hidden):
     # Ground truth: fp32 maths on the very same bf16 values; the kernel only rounds its outputs.
     reference = _grads(depth_attention_reference, sources.float(), query, norm_weight, grad_out.float())
     assert kernel[0].dtype == kernel[1].dtype == torch.bfloat16
-    # bf16 outputs; fp32-reduced query / norm-weight grads. d_query's per-token term has a cancelling
-    # difference (dout . v_i - dout . out) whose second half comes from the saved bf16 output (the
-    # flash-attention trick that spares a second pass over the sources): 0.3-0.8% of max on the H200.
-    bounds = (1e-2, 1e-2, 2e-2, 1e-3)
+    # bf16 outputs; fp32-reduced query / norm-weight grads. Both are g * (the other parameter), and g's
+    # per-token term has a cancelling difference (dout . v_i - dout . out) whose second half comes from
+    # the saved bf16 output (the flash-attention trick that spares a second pass over the sources):
+    # 0.3-0.9% of max on the H200 for both (d_query was checked first and hid d_norm_weight's).
+    bounds = (1e-2, 1e-2, 2e-2, 2e-2)
     for name, a, b, bound in zip(("out", "d_sources", "d_query", "d_norm_weight"), kernel, reference, bounds):
         _assert_relative_close(a, b, bound, name)
 
