@@ -142,40 +142,25 @@ def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, chunk_start, chunk_len,
         tl.store(a_base + offs_a, lk, mask=rok[:, None])
     tl.debug_barrier()
 
-    # 2a) inverses of the four unit lower-triangular 16x16 diagonal blocks D_b = I + L_bb, all four at once
-    # ([4, 16, 16]: 15 serial row steps instead of 60). Row s of every D_b^-1 is -L_b[s, :s] D_b^-1 (rows < s
-    # are final); the L rows come from scratch through loads that do not depend on the loop-carried inverse,
-    # so the unrolled steps issue them all up front instead of waiting on L2 once per step.
-    b3 = tl.arange(0, 4)[:, None, None]
-    i3 = s16[None, :, None]
-    j3 = s16[None, None, :]
-    d_inv = (i3 == j3).to(tl.float32) + tl.zeros([4, 16, 16], dtype=tl.float32)
-    b2, j2 = tl.arange(0, 4)[:, None], s16[None, :]
-    for s in tl.static_range(1, 16):
-        # L_b[s, j] for j < s (zero elsewhere and past the chunk's end: those rows stay identity rows)
-        l_s = tl.load(a_base + (t0 + b2 * 16 + s) * (H * 64) + b2 * 16 + j2,
-                      mask=(j2 < s) & (b2 * 16 + s < n), other=0.0)
-        new_row = tl.where(j2 == s, 1.0, -tl.sum(l_s[:, :, None] * d_inv, 1))
-        d_inv = tl.where(i3 == s, new_row[:, None, :], d_inv)
-    tl.debug_barrier()
-    # the diagonal blocks of scratch now hold D_b^-1 (L_bb is not needed again; rows past n are never read)
-    tl.store(a_base + (t0 + b3 * 16 + i3) * (H * 64) + b3 * 16 + j3, d_inv, mask=(b3 * 16 + i3) < n)
-    tl.debug_barrier()
-
-    # 2b) block forward substitution: X_i = D_i^-1 (E_i - L_{i,<i} X_{<i})
+    # 2) (I + L)^-1 by block forward substitution: X_i = D_i^-1 (E_i - L_{i,<i} X_{<i})
     for i in tl.static_range(4):
         r0 = i * 16
         rows = r0 + s16
         rok = rows < n
         offs_a = (t0 + rows)[:, None] * (H * 64) + t[None, :]
-        d_blk = tl.load(a_base + (t0 + rows)[:, None] * (H * 64) + r0 + s16[None, :], mask=rok[:, None], other=0.0)
+        eye = (s16[:, None] == s16[None, :]).to(tl.float32)
+        d_inv = eye
+        for s in range(1, 16):
+            l_s = tl.load(a_base + (t0 + r0 + s) * (H * 64) + r0 + s16, mask=(s16 < s) & (r0 + s < n), other=0.0)
+            new_row = tl.where(s16 == s, 1.0, -tl.sum(l_s[:, None] * d_inv, 0))
+            d_inv = tl.where(s16[:, None] == s, new_row[None, :], d_inv)
         rhs = (t[None, :] == rows[:, None]).to(tl.float32)
         if i > 0:
             l_i = tl.load(a_base + offs_a, mask=rok[:, None] & (t[None, :] < r0), other=0.0)
             x_prev = tl.load(a_base + (t0 + t)[:, None] * (H * 64) + t[None, :],
                              mask=((t < r0) & row_ok)[:, None], other=0.0)
             rhs -= tl.dot(l_i, x_prev)
-        x_i = tl.dot(d_blk, rhs)
+        x_i = tl.dot(d_inv, rhs)
         tl.debug_barrier()
         tl.store(a_base + offs_a, x_i, mask=rok[:, None])
         tl.debug_barrier()
