@@ -62,14 +62,17 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (code path check)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 12 GPU, 2 smoke)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3 GPU, 1 smoke)")
+    p.add_argument("--no-inplace-source-grads", dest="inplace_source_grads", action="store_false",
+                   help="AttnRes with autograd's per-call source-gradient sums (attn_res_inplace_source_grads=False)")
     return p.parse_args(argv)
 
 
-def make_config(model: dict, bf16: bool, attn_res: bool):
+def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True):
     from megatron_ext.config import HybridConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
-    extra = dict(attn_res=True, attn_res_num_blocks=ATTN_RES_BLOCKS) if attn_res else {}
+    extra = dict(attn_res=True, attn_res_num_blocks=ATTN_RES_BLOCKS,
+                 attn_res_inplace_source_grads=inplace_source_grads) if attn_res else {}
     return HybridConfig(bf16=bf16, params_dtype=torch.float32, pipeline_dtype=dtype,
                         use_cpu_initialization=not bf16, **model, **extra)
 
@@ -123,7 +126,8 @@ def run(args) -> dict:
     standard_config = make_config(model, bf16=cuda, attn_res=False)
     initialize_parallel(standard_config, seed=1234)
     standard = time_training_step(standard_config, shape, steps, warmup)
-    attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True), shape, steps, warmup)
+    attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True,
+                                              inplace_source_grads=args.inplace_source_grads), shape, steps, warmup)
     dtype = torch.bfloat16 if cuda else torch.float32
     kernel = time_depth_attention(shape, model["hidden_size"], dtype, steps, warmup, cuda)
     return {
@@ -137,6 +141,7 @@ def run(args) -> dict:
         "settings": {
             "model": model, **shape, "attn_res_num_blocks": ATTN_RES_BLOCKS, "dtype": str(dtype),
             "mlp": "dense SwiGLU", "steps": steps, "warmup": warmup, "smoke": not cuda,
+            "attn_res_inplace_source_grads": args.inplace_source_grads,
         },
     }
 
