@@ -24,12 +24,8 @@ written only when ``--out`` is given.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 DEFAULT_OUT = "docs/bench/attnres-kernel-h200.json"
@@ -112,12 +108,9 @@ def median_ms(fn, smoke):
         import triton.testing
 
         return triton.testing.do_bench(fn, return_mode="median")
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    from tools.bench_common import local_median_ms
+
+    return local_median_ms(fn, 0, 3, cuda=False)
 
 
 def saved_megabytes(forward, smoke):
@@ -219,23 +212,13 @@ def main(argv=None):
     print_table(rows)
     sweeps = [sweep_tiles(n, t, h, device, dtype_name, args.smoke) for n, t, h in shapes] if args.sweep else None
     if out_path:
-        import triton
+        from tools.bench_common import write_kernel_report
 
-        report = {
-            "op": "kernels.attn_res.depth_attention (fused Triton) vs depth_attention_reference (eager)",
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter, smoke)",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "timing": "median ms, triton.testing.do_bench" if not args.smoke else "median wall ms of 3 (smoke)",
-            "note": "kernel gets a list of sources; reference gets them pre-stacked (stack cost not counted)",
-            "results": rows,
-            "sweep": sweeps,
-        }
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {out_path}")
-
+        write_kernel_report(
+            out_path, "kernels.attn_res.depth_attention (fused Triton) vs depth_attention_reference (eager)",
+            not args.smoke, "median ms, triton.testing.do_bench" if not args.smoke else "median wall ms of 3 (smoke)",
+            rows, note="kernel gets a list of sources; reference gets them pre-stacked (stack cost not counted)",
+            sweep=sweeps)
 
 if __name__ == "__main__":
     repo_root = Path(__file__).resolve().parents[1]

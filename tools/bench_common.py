@@ -4,6 +4,9 @@
   gloo (with ``megatron_ext.cpu_compat``) on the CPU;
 * :func:`init_expert_parallel` - Megatron's groups with EP = world size (TP = PP = 1) and seeds;
 * :func:`median_ms` - median time of a step over iterations after a warm-up, max over ranks;
+  :func:`local_median_ms` the same in one process (kernel benchmarks), both timing each call with
+  :func:`call_ms`;
+* :func:`write_kernel_report` - the JSON a kernel benchmark writes (op, device, date, versions, rows);
 * :func:`synthetic_batch` - one random-token microbatch in the ``megatron_ext.data`` format;
 * :func:`time_training_step` - forward + backward (Megatron schedule) + AdamW of a model built by
   a callable: median step time and peak memory, everything freed afterwards.
@@ -65,20 +68,50 @@ def median_ms(step: Callable[[], None], warmup: int, iters: int, device: torch.d
     times = []
     for _ in range(iters):
         dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1000 * (time.perf_counter() - t0))
+        times.append(call_ms(step, device.type == "cuda"))
     worst = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
+
+
+def call_ms(fn: Callable[[], object], cuda: bool) -> float:
+    """One call of ``fn`` in ms: CUDA events around it on the GPU, wall clock otherwise."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - t0)
+
+
+def local_median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:
+    """Median of :func:`call_ms` over ``iters`` calls after ``warmup``, in this process only."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(call_ms(fn, cuda) for _ in range(iters))
+
+
+def write_kernel_report(path: str, op: str, cuda: bool, timing: str, results: list, **extra) -> None:
+    """``{"op", "device", "date", "torch", "triton", "timing", "results", **extra}`` as JSON at ``path``."""
+    import datetime
+    import json
+    from pathlib import Path
+
+    import triton
+
+    report = {
+        "op": op,
+        "device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter, smoke)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": triton.__version__, "timing": timing, "results": results, **extra,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 def synthetic_batch(vocab_size: int, seq: int, micro_batch: int, device, seed: int = 0) -> dict:

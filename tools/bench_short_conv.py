@@ -16,12 +16,8 @@ code paths, not the speed. JSON is written only when ``--out`` is given.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 DEFAULT_OUT = "docs/bench/short-conv-h200.json"
@@ -40,28 +36,6 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=50)
     return parser.parse_args(argv)
-
-
-def median_ms(fn, warmup, iters, cuda):
-    """Median time of ``fn()`` in ms: CUDA events around each call on the GPU, wall clock otherwise."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
 
 
 def make_steps(impl, x, weight, grad_out):
@@ -85,6 +59,8 @@ def make_steps(impl, x, weight, grad_out):
 def bench_shape(seq, batch, channels, device, dtype_name, warmup, iters):
     import torch
 
+    from tools.bench_common import local_median_ms
+
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     gen = torch.Generator(device=device).manual_seed(seq)
     x = torch.randn(seq, batch, channels, generator=gen, device=device).to(dtype).requires_grad_()
@@ -101,8 +77,8 @@ def bench_shape(seq, batch, channels, device, dtype_name, warmup, iters):
     cuda = device == "cuda"
     for impl in ("kernel", "reference"):
         forward, forward_backward = make_steps(impl, x, weight, grad_out)
-        row[f"{impl}_fwd_ms"] = median_ms(forward, warmup, iters, cuda)
-        row[f"{impl}_fwd_bwd_ms"] = median_ms(forward_backward, warmup, iters, cuda)
+        row[f"{impl}_fwd_ms"] = local_median_ms(forward, warmup, iters, cuda)
+        row[f"{impl}_fwd_bwd_ms"] = local_median_ms(forward_backward, warmup, iters, cuda)
     row["speedup_fwd"] = row["reference_fwd_ms"] / row["kernel_fwd_ms"]
     row["speedup_fwd_bwd"] = row["reference_fwd_bwd_ms"] / row["kernel_fwd_bwd_ms"]
     # Bytes the kernels must move at least: forward reads x, writes y; backward reads x and dy, writes dx.
@@ -140,21 +116,12 @@ def main(argv=None):
     rows = [bench_shape(s, b, c, device, dtype_name, warmup, iters) for s, b, c in shapes]
     print_table(rows)
     if out_path:
-        import triton
+        from tools.bench_common import write_kernel_report
 
-        report = {
-            "op": "kernels.short_conv.causal_conv_silu (Triton) vs causal_conv_silu_reference (conv1d path)",
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (Triton interpreter, smoke)",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "timing": f"median ms of {iters} (CUDA events)" if device == "cuda" else "median wall ms (smoke)",
-            "results": rows,
-        }
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {out_path}")
-
+        write_kernel_report(
+            out_path, "kernels.short_conv.causal_conv_silu (Triton) vs causal_conv_silu_reference (conv1d path)",
+            device == "cuda", f"median ms of {iters} (CUDA events)" if device == "cuda" else "median wall ms (smoke)",
+            rows)
 
 if __name__ == "__main__":
     repo_root = Path(__file__).resolve().parents[1]
