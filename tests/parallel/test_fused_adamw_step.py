@@ -22,7 +22,8 @@ def build(fused, clip):
     g = torch.Generator().manual_seed(0)
     bf16 = [torch.nn.Parameter(torch.randn(*s, generator=g).bfloat16()) for s in ((33, 7), (5,), (4, 4, 9))]
     fp32 = torch.nn.Parameter(torch.randn(6, generator=g))  # kept fp32 in the model (like A_log)
-    groups = [dict(params=bf16[:2] + [fp32], weight_decay=0.1), dict(params=bf16[2:], weight_decay=0.0)]
+    groups = [dict(params=bf16[:2] + [fp32], weight_decay=0.1, wd_mult=1.0),  # wd_mult: how Megatron matches
+              dict(params=bf16[2:], weight_decay=0.0, wd_mult=0.0)]       # groups on load
     inner = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-3)
     config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, clip_grad=clip, params_dtype=torch.float32)
     opt = Float16OptimizerWithFloat16Params(inner, config, None, lambda *a, **k: None)
@@ -63,6 +64,30 @@ try:
     raise SystemExit("switching after a step must fail")
 except ValueError as err:
     assert "before the optimizer's first step" in str(err)
+# Resume: two steps, Megatron's state_dict into a fresh fused optimizer, one more step == three steps.
+def grads_for(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.main_grad = torch.randn(p.shape, generator=g) * GRAD_SCALES[step]
+
+through, through_opt = build(True, 1.0)
+for step in range(3):
+    grads_for(through, step)
+    through_opt.step()
+first, first_opt = build(True, 1.0)
+for step in range(2):
+    grads_for(first, step)
+    first_opt.step()
+state = first_opt.state_dict()
+resumed, resumed_opt = build(True, 1.0)
+with torch.no_grad():
+    for dst, src in zip(resumed, first):
+        dst.copy_(src)
+resumed_opt.load_state_dict(state)
+grads_for(resumed, 2)
+resumed_opt.step()
+for a, b in zip(resumed, through):
+    assert torch.equal(a, b), "resume changed the update"
 # Megatron's own clip is back outside the scoped step and still scales whatever it is given.
 from megatron.core.optimizer import optimizer as mcore_optimizer
 assert mcore_optimizer.clip_grad_by_total_norm_fp32.__module__ == "megatron.core.optimizer.clip_grads"
