@@ -7,6 +7,8 @@
 #   bash tools/gpu/session.sh install
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 bash tools/gpu/session.sh tests,e2e &
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 bash tools/gpu/session.sh kda; wait
+# A/B of branches in the same call: tools/gpu/stage_branches.sh here (carry ".ab"), tools/gpu/ab.sh there.
+# At most 8 files come back from $OUT: point each step at its own file and concatenate the logs.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
