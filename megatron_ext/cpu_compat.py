@@ -1,4 +1,4 @@
-"""Run Megatron-Core 0.19.2 on CPU with the gloo backend (and the one GPU-side patch, scoped; see below).
+"""Run Megatron-Core 0.19.2 on CPU with the gloo backend; and the GPU-speed patches we opt into (see below).
 
 Megatron-Core assumes CUDA in a handful of places that our CPU path (the tiny default config,
 development, CI) goes through. Every patch to Megatron-Core's behaviour lives in this module,
@@ -24,7 +24,7 @@ The patches:
     Megatron's optimizers accept parameters by their legacy type name
     (``'torch.cuda.FloatTensor'`` ...); a CPU float tensor reports the CUDA name of its dtype.
 
-One group of patches is not about the CPU and is scoped, not installed: :func:`scoped_fast_fallbacks`
+The other patches are not about the CPU and are opted into, not installed: :func:`scoped_fast_fallbacks`
 wraps *our* optimizer's ``step`` (``megatron_ext.parallel.build_optimizer``) so that, inside it only,
 Megatron's no-Apex stand-ins for Apex's multi-tensor kernels are replaced by torch's foreach ops:
 ``local_multi_tensor_l2_norm`` (per-tensor norms gathered with ``torch.tensor(list)``: one host sync
@@ -243,12 +243,15 @@ def _clip_into_fused_step(original):
 
     def clip(parameters, max_norm, total_norm, use_decoupled_grad=False):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        fused = [p for p in params if _fused_main_params.get(id(p)) is p]
-        if fused and not use_decoupled_grad:
-            coeff = float(max_norm) / (float(total_norm) + 1.0e-6)
-            for p in fused:
-                _pending_clip[id(p)] = min(coeff, 1.0)
-            params = [p for p in params if _fused_main_params.get(id(p)) is not p]
+        if not use_decoupled_grad:
+            coeff = min(float(max_norm) / (float(total_norm) + 1.0e-6), 1.0)
+            others = []
+            for p in params:
+                if _fused_main_params.get(id(p)) is p:
+                    _pending_clip[id(p)] = coeff
+                else:
+                    others.append(p)
+            params = others
         if params:
             original(params, max_norm, total_norm, use_decoupled_grad=use_decoupled_grad)
 

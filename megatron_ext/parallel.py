@@ -5,8 +5,8 @@
 * :func:`initialize_parallel` - Megatron's process groups and model-parallel RNG;
 * :func:`build_model_chunks` - one model chunk per virtual pipeline stage of this rank;
 * :func:`wrap_ddp` - Megatron DDP (expert params reduced over the expert-data-parallel group);
-* :func:`build_optimizer` - Megatron's (distributed) AdamW, on torch's fused kernel
-  (:func:`use_fused_adam`) with foreach grad-norm and clipping.
+* :func:`build_optimizer` - Megatron's (distributed) AdamW; with ``fast_step`` one fused AdamW + clip +
+  bf16-copy pass per tensor (torch's fused Adam where that does not apply) and foreach grad norms.
 
 The layout lives in the Megatron fields of :class:`~megatron_ext.config.HybridConfig`
 (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
