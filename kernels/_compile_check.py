@@ -19,16 +19,19 @@ class Resources:
     shared: int  # bytes of shared memory Triton asked for
 
 
-def compile_for(kernel, signature: dict, constexprs: dict, num_warps=4, num_stages=3, capability=90):
+def compile_for(kernel, signature: dict, constexprs: dict, num_warps=4, num_stages=3, capability=90, aligned=()):
     """triton.compile for CUDA `capability` (default sm_90). signature: arg name -> type (e.g. "*bf16", "i32");
-    constexpr args go in `constexprs` and need not be in `signature`."""
+    constexpr args go in `constexprs` and need not be in `signature`. `aligned`: argument names to specialize
+    as the launcher does for a pointer aligned to 16 bytes or an integer that is a multiple of 16
+    (tt.divisibility 16), so that loads vectorize as they will at such shapes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {**signature, **{name: "constexpr" for name in constexprs}}
     sig = {name: sig[name] for name in kernel.arg_names}  # kernel's argument order
-    source = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    source = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", capability, 32)
     return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
 

@@ -3,8 +3,8 @@
     pre[t, b, c] = sum_j w[c, j] x[t - (K-1) + j, b, c]   (x = 0 before t = 0)
     y[b, t, c]   = silu(pre[t, b, c])
 
-A program owns a tile of BT time steps x BC channels of one sample. The K-1 step halo before the
-tile is read by the shifted loads (tap j reads rows t - (K-1) + j), so tiles never talk to each
+Forward: a program owns a tile of BT time steps x BC channels of one sample. The K-1 step halo before
+the tile is read by the shifted loads (tap j reads rows t - (K-1) + j), so tiles never talk to each
 other; the repeated reads of a row should hit L1/L2, leaving one read of x (and one write) to HBM.
 Rows of x and y are C contiguous channels, so every load and store is contiguous along C; the
 [s, b, C] -> [b, s, C] layout change is only a different row address for the store.
@@ -12,20 +12,36 @@ Rows of x and y are C contiguous channels, so every load and store is contiguous
 Backward, with g[u] = dy[u] * silu'(pre[u]) recomputed from x (pre is not saved):
     dx[t, b, c] = sum_d w[c, K-1-d] g[t + d, b, c]          (g = 0 past the end)
     dw[c, j]    = sum_{b, t} g[t, b, c] x[t - (K-1) + j, b, c]
-A backward program walks a chunk of CHUNK steps in BT-step sub-tiles and writes its dw partial sums
-[K, BC] to its own slot of an fp32 buffer that the caller sums afterwards: deterministic, no atomics.
+A backward program (one warp, BC = 128 channels of one sample) walks a chunk of T time steps in order,
+a sliding window: at step u it takes row u of x and of dy (each loaded once, U rows at a time, the next
+U rows already in flight), computes pre[u] from x[u-K+1 .. u] (the K-1 older rows kept in registers),
+g[u], and then dx[u-K+1], whose K g values g[u-K+1 .. u] are all in the window now. So every element of
+pre and g is computed once, every x and dy row is read once (plus K-1 halo rows at each end of the
+chunk, L2 hits), and dx is written once. It walks K-1 steps past its chunk to finish the chunk's last
+dx rows, and sums dw over its own steps in registers; its [K, BC] partial sums go to its own slot of an
+fp32 buffer that the caller sums afterwards: deterministic, no atomics. T is set per call (about
+BWD_PROGRAMS_PER_SM programs per SM, T + K - 1 a multiple of U).
 """
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-# Tiles (time steps, channels, warps): channel tiles of 128 keep rows at 256 contiguous bytes in bf16.
-# Time tiles are short because the compiler issues all K (forward) or K * K (backward) shifted loads
-# of a tile at once: offline sm_90 compiles give 96 (fwd) / 146 (bwd) registers at K = 4 and no spills
-# up to K = 8 (tests/kernels/test_short_conv_compile.py). Backward: CHUNK steps per program.
+# Forward tiles (time steps, channels, warps): channel tiles of 128 keep rows at 256 contiguous bytes in
+# bf16. Time tiles are short because the compiler issues all K shifted loads of a tile at once.
 FWD_CONFIG = dict(BT=16, BC=128, num_warps=4)
-BWD_CONFIG = dict(CHUNK=128, BT=8, BC=128, num_warps=4)
+# Backward: one warp per program, 4 channels per thread (8-byte bf16 loads), U rows per load group.
+# Offline sm_90 compiles (C a multiple of 16): 64 (fwd) / 178 (bwd) registers at K = 4, no spills up to
+# K = 8, where U is halved (tests/kernels/test_short_conv_compile.py). At 178 registers 11 one-warp
+# programs fit an SM, each with 2 x U rows of x and dy (4 KB) in flight at the top of a group.
+BWD_CONFIG = dict(U=8, BC=128, num_warps=1)
+BWD_SMALL_U_ABOVE_K = 4  # K > 4: U / 2 (the K-1 row windows need the registers)
+# Chunk length T: about BWD_PROGRAMS_PER_SM programs per SM in all, at least BWD_MIN_GROUPS groups of U
+# steps each so the halo rows (K-1 at each end) and the dw partial sums stay a small fraction of the bytes.
+BWD_PROGRAMS_PER_SM = 16
+BWD_MIN_GROUPS = 4
 
 
 @triton.jit
@@ -56,46 +72,85 @@ def conv_fwd_kernel(x, w, y, S, B, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.
 
 
 @triton.jit
-def conv_bwd_kernel(x, w, dy, dx, dw_part, S, B, C, K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr,
-                    BT: tl.constexpr, BC: tl.constexpr):
-    """A program walks CHUNK time steps in sub-tiles of BT (few registers per sub-tile, the halo rows
-    of the next sub-tile already in L1) and sums its dw over the whole chunk, so the partial-sum
-    buffer has s / CHUNK rows per sample, not s / BT."""
+def _load_rows(x, dy, u0, limit, b, c, c_ok, S, B, C, U: tl.constexpr):
+    """Rows u0 .. u0+U-1 of x ([s, b, C]) and dy ([b, s, C]) in their storage dtype, zero from `limit` on."""
+    xs = ()
+    dys = ()
+    for i in tl.static_range(U):
+        u = tl.cast(u0 + i, tl.int64)
+        ok = c_ok & (u < limit)
+        xs = xs + (tl.load(x + (u * B + b) * C + c, mask=ok, other=0.0),)
+        dys = dys + (tl.load(dy + (b * S + u) * C + c, mask=ok, other=0.0),)
+    return xs, dys
+
+
+@triton.jit
+def conv_bwd_kernel(x, w, dy, dx, dw_part, S, B, C, T, K: tl.constexpr, U: tl.constexpr, BC: tl.constexpr):
+    """One program: channels c of sample b over the chunk [t0, t0 + T). Steps u = t0 .. t0 + T + K - 2 in
+    order, each loading rows u of x and dy once (loaded a group of U rows ahead): pre[u] from the window
+    x[u-K+1 .. u] (the older K-1 rows kept in registers), g[u], then dx[u-K+1], whose K future g values
+    g[u-K+1 .. u] are now all in the window. dw sums g[u] x[u-K+1+j] over the chunk's own steps; the K-1 steps
+    past the chunk only complete its last dx rows."""
     pid_t = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     b = tl.program_id(2)
     c_ok = c < C
-    taps = tl.arange(0, KP)  # K padded to a power of two
-    dw_acc = tl.zeros([KP, BC], dtype=tl.float32)
-    for t0 in range(pid_t * CHUNK, tl.minimum(pid_t * CHUNK + CHUNK, S), BT):
-        t = t0 + tl.arange(0, BT)
-        dx_acc = tl.zeros([BT, BC], dtype=tl.float32)
-        g0 = tl.zeros([BT, BC], dtype=tl.float32)
-        # g at t + d feeds dx[t] through tap K-1-d; g beyond the sequence is zero (dy masked to 0).
-        for d in tl.static_range(K):
-            u = t + d
-            pre = _shifted_pre(x, w, t, b, c, c_ok, S, B, C, K, d, BT, BC)
-            rows = (b * S + u.to(tl.int64)) * C
-            dyv = tl.load(dy + rows[:, None] + c[None, :], mask=(u < S)[:, None] & c_ok[None, :], other=0.0)
+    t0 = pid_t * T
+    t_end = tl.minimum(t0 + T, S)  # rows of dx (and steps of dw) this program owns
+    limit = tl.minimum(t_end + K - 1, S)  # rows it reads; dy = 0 past the sequence makes g = 0 there
+    ws = ()
+    for j in tl.static_range(K):
+        ws = ws + (tl.load(w + c * K + j, mask=c_ok, other=0.0).to(tl.float32),)
+    # Window: x[u-K+1 .. u-1] and g[u-K+1 .. u-1] before step u (oldest first); g before t0 only feeds dx
+    # rows of the previous chunk, which this program does not store, so it starts at zero.
+    xwin = ()
+    gwin = ()
+    for j in tl.static_range(K - 1):
+        src = (t0 - (K - 1) + j).to(tl.int64)
+        xv = tl.load(x + (src * B + b) * C + c, mask=c_ok & (src >= 0), other=0.0)
+        xwin = xwin + (xv.to(tl.float32),)
+        gwin = gwin + (tl.zeros([BC], dtype=tl.float32),)
+    dws = ()
+    for j in tl.static_range(K):
+        dws = dws + (tl.zeros([BC], dtype=tl.float32),)
+    xs, dys = _load_rows(x, dy, t0, limit, b, c, c_ok, S, B, C, U)
+    for u0 in range(t0, t_end + K - 1, U):
+        next_xs, next_dys = _load_rows(x, dy, u0 + U, limit, b, c, c_ok, S, B, C, U)  # in flight meanwhile
+        for i in tl.static_range(U):
+            u = u0 + i
+            xu = xs[i].to(tl.float32)
+            pre = tl.zeros([BC], dtype=tl.float32)
+            for j in tl.static_range(K - 1):
+                pre += xwin[j] * ws[j]
+            pre += xu * ws[K - 1]
             sig = tl.sigmoid(pre)
-            g = dyv.to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))  # silu'(p) = s (1 + p (1 - s))
-            wd = tl.load(w + c * K + (K - 1 - d), mask=c_ok, other=0.0).to(tl.float32)
-            dx_acc += g * wd[None, :]
-            if d == 0:
-                g0 = g
-        dst = (t.to(tl.int64) * B + b) * C  # sequence-first rows
-        tl.store(dx + dst[:, None] + c[None, :], dx_acc.to(dx.dtype.element_ty),
-                 mask=(t < S)[:, None] & c_ok[None, :])
-        # dw: g at the sub-tile's own steps against each tap's shifted input.
-        for j in tl.static_range(K):
-            src = t - (K - 1) + j
-            ok = (src >= 0) & (src < S)
-            rows = (src.to(tl.int64) * B + b) * C
-            xv = tl.load(x + rows[:, None] + c[None, :], mask=ok[:, None] & c_ok[None, :], other=0.0)
-            tap_sum = tl.sum(g0 * xv.to(tl.float32), 0)
-            dw_acc += tl.where(taps[:, None] == j, tap_sum[None, :], 0.0)
+            g = dys[i].to(tl.float32) * sig * (1.0 + pre * (1.0 - sig))  # silu'(p) = s (1 + p (1 - s))
+            # dx[r] = sum_d w[K-1-d] g[r+d] for r = u-K+1: g[r .. u-1] from the window, g[u] just computed.
+            dx_r = tl.zeros([BC], dtype=tl.float32)
+            for d in tl.static_range(K - 1):
+                dx_r += gwin[d] * ws[K - 1 - d]
+            dx_r += g * ws[0]
+            r = tl.cast(u - (K - 1), tl.int64)
+            tl.store(dx + (r * B + b) * C + c, dx_r.to(dx.dtype.element_ty), mask=c_ok & (r >= t0) & (r < t_end))
+            # dw[j] += g[u] x[u-K+1+j] for the chunk's own steps.
+            g_own = tl.where(u < t_end, g, 0.0)
+            new_dws = ()
+            for j in tl.static_range(K - 1):
+                new_dws = new_dws + (dws[j] + g_own * xwin[j],)
+            dws = new_dws + (dws[K - 1] + g_own * xu,)
+            # Slide the window by one step.
+            new_xwin = ()
+            new_gwin = ()
+            for j in tl.static_range(1, K - 1):
+                new_xwin = new_xwin + (xwin[j],)
+                new_gwin = new_gwin + (gwin[j],)
+            if K > 1:
+                xwin = new_xwin + (xu,)
+                gwin = new_gwin + (g,)
+        xs, dys = next_xs, next_dys
     part = dw_part + ((pid_t * B + b) * K).to(tl.int64) * C
-    tl.store(part + taps[:, None] * C + c[None, :], dw_acc, mask=(taps < K)[:, None] & c_ok[None, :])
+    for j in tl.static_range(K):
+        tl.store(part + j * C + c, dws[j], mask=c_ok)
 
 
 def conv_fwd(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -108,17 +163,41 @@ def conv_fwd(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+def bwd_config(kernel_size: int) -> dict:
+    """BWD_CONFIG for kernel size K (U halved above BWD_SMALL_U_ABOVE_K)."""
+    cfg = dict(BWD_CONFIG)
+    if kernel_size > BWD_SMALL_U_ABOVE_K:
+        cfg["U"] = max(1, cfg["U"] // 2)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def bwd_chunk(seq: int, batch: int, channels: int, kernel_size: int, device: torch.device) -> int:
+    """Steps per backward program: about BWD_PROGRAMS_PER_SM programs per SM, at least BWD_MIN_GROUPS
+    groups of U steps each, with T + K - 1 (the steps a program walks) a multiple of U."""
+    cfg = bwd_config(kernel_size)
+    unroll, programs_per_chunk = cfg["U"], batch * triton.cdiv(channels, cfg["BC"])
+    chunks = max(1, triton.cdiv(BWD_PROGRAMS_PER_SM * _sm_count(device), programs_per_chunk))
+    groups = max(BWD_MIN_GROUPS, triton.cdiv(triton.cdiv(seq, chunks) + kernel_size - 1, unroll))
+    return groups * unroll - (kernel_size - 1)
+
+
+def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, chunk: int | None = None):
     """``dy [b, s, C]`` contiguous -> ``dx [s, b, C]`` (x's dtype), ``dweight [C, K]`` (weight's dtype,
-    summed in fp32)."""
+    summed in fp32). ``chunk``: time steps per program, any T >= 1 (default :func:`bwd_chunk`)."""
     seq, batch, channels = x.shape
     kernel_size = weight.shape[1]
-    cfg = BWD_CONFIG
-    grid = (triton.cdiv(seq, cfg["CHUNK"]), triton.cdiv(channels, cfg["BC"]), batch)
+    cfg = bwd_config(kernel_size)
+    if chunk is None:
+        chunk = bwd_chunk(seq, batch, channels, kernel_size, x.device)
+    grid = (triton.cdiv(seq, chunk), triton.cdiv(channels, cfg["BC"]), batch)
     dx = torch.empty_like(x)
     # One [K, C] slot per (time chunk, sample); every slot is fully written (all channel tiles).
     dw_part = torch.empty(grid[0] * batch, kernel_size, channels, device=x.device, dtype=torch.float32)
-    conv_bwd_kernel[grid](x, weight, dy, dx, dw_part, seq, batch, channels, K=kernel_size,
-                          KP=triton.next_power_of_2(kernel_size), **cfg)
+    conv_bwd_kernel[grid](x, weight, dy, dx, dw_part, seq, batch, channels, chunk, K=kernel_size, **cfg)
     dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)
     return dx, dweight

@@ -58,6 +58,38 @@ def test_kernel_fp16_computes_in_fp32(seq, batch, channels, kernel_size):
     assert rel_err(ours[0], ref[0]) < 2e-3 and rel_err(ours[1], ref[1]) < 2e-3 and rel_err(ours[2], ref[2]) < 2e-3
 
 
+def reference_grads(x, weight, cotangent):
+    xx, ww = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    (causal_conv_silu_reference(xx, ww) * cotangent).sum().backward()
+    return xx.grad, ww.grad
+
+
+# (s, b, C, K, chunks): the backward program walks T = chunk steps (+ K-1 past them) in groups of U = 8
+# (U = 4 above K = 4). T = 1 and 2 (the K-1 halos cross several chunks), T + K - 1 off and on a multiple
+# of U, T over s (one chunk, s shorter than one group), the last chunk partial; K = 1 (no window), K = 8.
+BWD_CHUNK_CASES = [
+    (23, 2, 130, 4, (1, 2, 5, 7, 13, 22, 23, 40)),
+    (9, 3, 33, 3, (1, 4, 6, 9, 50)),
+    (12, 1, 20, 1, (1, 3, 8, 12)),
+    (30, 2, 17, 8, (1, 3, 4, 11, 29, 31)),
+    (3, 2, 8, 4, (1, 2, 5)),
+]
+
+
+@interpreter_case
+@pytest.mark.parametrize("seq,batch,channels,kernel_size,chunks", BWD_CHUNK_CASES)
+def test_backward_chunks_match_reference(seq, batch, channels, kernel_size, chunks):
+    """conv_bwd at any chunk length T: the chunk boundaries (halo rows, g from the next chunk, the walk
+    past the chunk and past the sequence) leave dx and dweight as the reference's."""
+    from kernels.short_conv.fused import conv_bwd
+
+    x, weight, cotangent = make_case(seq, batch, channels, kernel_size, torch.float32, seed=seq + kernel_size)
+    ref_dx, ref_dw = reference_grads(x, weight, cotangent)
+    for chunk in (None, *chunks):
+        dx, dw = conv_bwd(cotangent.contiguous(), x, weight, chunk=chunk)
+        assert rel_err(dx, ref_dx) < 1e-5 and rel_err(dw, ref_dw) < 1e-5, chunk
+
+
 @interpreter_case
 def test_kernel_takes_weight_in_activation_dtype():
     """A caller may cast the weight to the activations' dtype; its grad then comes back in that dtype."""

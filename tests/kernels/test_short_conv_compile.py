@@ -1,5 +1,7 @@
 """The short-conv kernels compile for Hopper (sm_90) without a GPU and spill nothing (launch config of
-kernels/short_conv/fused.py, bf16 activations, fp32 weight), up to the largest kernel size accepted."""
+kernels/short_conv/fused.py, bf16 activations, fp32 weight), up to the largest kernel size accepted, both
+with C a multiple of 16 and 16-byte aligned tensors (vectorized loads, as the launcher specializes them)
+and without (one address per element)."""
 
 import os
 
@@ -9,22 +11,34 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs the compiling JIT, not the interpreter")
 
 
-@pytest.mark.parametrize("kernel_size", [4, 8])
-@pytest.mark.parametrize("name", ["conv_fwd_kernel", "conv_bwd_kernel"])
-def test_kernels_compile_for_hopper_without_spills(name, kernel_size):
-    import triton
-
+def compile_short_conv(name, kernel_size, aligned):
     from kernels._compile_check import compile_for, resources
-    from kernels.short_conv import MAX_KERNEL_SIZE, fused
+    from kernels.short_conv import fused
 
-    assert kernel_size <= MAX_KERNEL_SIZE
     kernel = getattr(fused, name)
-    config = dict(fused.FWD_CONFIG if name == "conv_fwd_kernel" else fused.BWD_CONFIG)
+    config = dict(fused.FWD_CONFIG if name == "conv_fwd_kernel" else fused.bwd_config(kernel_size))
     num_warps = config.pop("num_warps")
     constexprs = dict(K=kernel_size, **config)
-    if name == "conv_bwd_kernel":
-        constexprs["KP"] = triton.next_power_of_2(kernel_size)
-    kinds = dict(w="*fp32", dw_part="*fp32", S="i32", B="i32", C="i32")
+    kinds = dict(w="*fp32", dw_part="*fp32", S="i32", B="i32", C="i32", T="i32")
     signature = {a: kinds.get(a, "*bf16") for a in kernel.arg_names if a not in constexprs}
-    used = resources(compile_for(kernel, signature, constexprs, num_warps=num_warps))
+    divisible = [a for a, kind in signature.items() if kind.startswith("*") or a in ("S", "C")] if aligned else []
+    return resources(compile_for(kernel, signature, constexprs, num_warps=num_warps, aligned=divisible))
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+@pytest.mark.parametrize("kernel_size", [4, 8])
+@pytest.mark.parametrize("name", ["conv_fwd_kernel", "conv_bwd_kernel"])
+def test_kernels_compile_for_hopper_without_spills(name, kernel_size, aligned):
+    from kernels.short_conv import MAX_KERNEL_SIZE
+
+    assert kernel_size <= MAX_KERNEL_SIZE
+    used = compile_short_conv(name, kernel_size, aligned)
     assert used.spill_stores == 0 and used.spill_loads == 0, used
+
+
+def test_backward_fits_eleven_programs_per_sm():
+    """The backward's occupancy at K = 4 (C a multiple of 16): 11 one-warp programs per SM need at most
+    184 registers a thread (65536 / (11 * 32) = 186, allocated in steps of 8); the register file holds
+    the rows in flight, so a change that grows it should be a decision, not an accident."""
+    used = compile_short_conv("conv_bwd_kernel", 4, aligned=True)
+    assert used.registers <= 184, used
