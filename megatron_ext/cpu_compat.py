@@ -355,7 +355,9 @@ def use_fresh_main_grads(ddp) -> bool:
 @torch.no_grad()
 def _first_grad_into_main_grad(param, grad):
     if param._main_grad_fresh:
-        param.main_grad.copy_(grad)
+        from kernels.cast_copy import widening_copy_
+
+        widening_copy_(param.main_grad, grad)
         param._main_grad_fresh, param._main_grad_copied = False, True
         param.grad_added_to_main_grad = True  # DDP's post-hook: already in main_grad
     elif param._main_grad_copied:
