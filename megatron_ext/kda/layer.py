@@ -23,12 +23,12 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.utils import get_pg_size
 
+from kernels.rms_norm import rms_norm
 from megatron_ext.config import ConfigError
 from megatron_ext.kda.conv import CausalShortConv
 from megatron_ext.kda.core import kda_core
 from megatron_ext.kda.lowrank import LowRankProjection
 from megatron_ext.kda.sharding import TPShardedModule, head_split_parameter, param_device
-from megatron_ext.layers.norm import rms_norm
 
 # Kimi Linear / fla initialisation of the decay parameters.
 A_RANGE = (1.0, 16.0)  # A = exp(A_log) ~ U(1, 16) per head
@@ -183,5 +183,5 @@ class KDAAttention(TPShardedModule):
             # Each TP rank normalises only its heads: the shared weight's gradient is a partial
             # sum over heads, summed here (identity forward, all-reduce backward), SP or not.
             weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
-        normed = rms_norm(o, weight, self.config.layernorm_epsilon)
-        return (normed.float() * torch.sigmoid(gate.float())).to(o.dtype)
+        # rms_norm(o) * sigmoid(gate) in one pass on CUDA (kernels/rms_norm); the reference on the CPU.
+        return rms_norm(o, weight, self.config.layernorm_epsilon, gate=gate)

@@ -5,6 +5,9 @@ fused norms need Apex or Transformer Engine. Under sequence parallelism each ten
 normalises its own slice of the sequence, so the weight's gradient is a partial sum: marking the
 weight ``sequence_parallel`` makes Megatron's DDP all-reduce it over the tensor-parallel group
 (``finalize_model_grads``), exactly as it does for Transformer Engine's norms.
+
+On CUDA the norm is the fused Triton kernel of ``kernels/rms_norm`` (one pass forward, one backward);
+on the CPU the PyTorch reference of the same maths.
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from kernels.rms_norm import rms_norm as _rms_norm
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / rms(x) * weight`` over the last dim, computed in fp32, returned in ``x``'s dtype."""
-    x32 = x.float()
-    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.float()).to(x.dtype)
+    """``x / rms(x) * weight`` over the last dim, computed in fp32, returned in ``x``'s dtype (the Triton
+    kernel for CUDA tensors, the PyTorch reference otherwise)."""
+    return _rms_norm(x, weight, eps)
 
 
 class RMSNorm(MegatronModule):
