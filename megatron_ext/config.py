@@ -93,6 +93,11 @@ class HybridConfig(TransformerConfig):
     # Sum the grads of the embedding and the finished block sums (each read by every later depth
     # mix) in place in one buffer per source, instead of one tensor per mix added by autograd.
     attn_res_inplace_source_grads: bool = True
+    # Fuse each sublayer's input RMSNorm (and the final norm) into the depth mix that feeds it:
+    # one op returns Norm(mix), so no separate pass over [s, b, h] in forward or backward. The
+    # norm modules and their weights stay as they are (same checkpoint keys); norms other than
+    # megatron_ext.layers.norm.RMSNorm run separately.
+    attn_res_fuse_norm: bool = True
 
     def __post_init__(self):
         self._validate_hybrid()
@@ -214,6 +219,7 @@ USER_FIELDS = (
     "attn_res_block_size",
     "attn_res_impl",
     "attn_res_inplace_source_grads",
+    "attn_res_fuse_norm",
     "recompute_granularity",
     "recompute_method",
     "recompute_num_layers",

@@ -64,15 +64,17 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3 GPU, 1 smoke)")
     p.add_argument("--no-inplace-source-grads", dest="inplace_source_grads", action="store_false",
                    help="AttnRes with autograd's per-call source-gradient sums (attn_res_inplace_source_grads=False)")
+    p.add_argument("--no-fuse-norm", dest="fuse_norm", action="store_false",
+                   help="AttnRes with the sublayer norms run separately on the mix (attn_res_fuse_norm=False)")
     return p.parse_args(argv)
 
 
-def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True):
+def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True, fuse_norm: bool = True):
     from megatron_ext.config import HybridConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     extra = dict(attn_res=True, attn_res_num_blocks=ATTN_RES_BLOCKS,
-                 attn_res_inplace_source_grads=inplace_source_grads) if attn_res else {}
+                 attn_res_inplace_source_grads=inplace_source_grads, attn_res_fuse_norm=fuse_norm) if attn_res else {}
     return HybridConfig(bf16=bf16, params_dtype=torch.float32, pipeline_dtype=dtype,
                         use_cpu_initialization=not bf16, **model, **extra)
 
@@ -127,7 +129,8 @@ def run(args) -> dict:
     initialize_parallel(standard_config, seed=1234)
     standard = time_training_step(standard_config, shape, steps, warmup)
     attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True,
-                                              inplace_source_grads=args.inplace_source_grads), shape, steps, warmup)
+                                              inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm),
+                                  shape, steps, warmup)
     dtype = torch.bfloat16 if cuda else torch.float32
     kernel = time_depth_attention(shape, model["hidden_size"], dtype, steps, warmup, cuda)
     return {
@@ -141,7 +144,7 @@ def run(args) -> dict:
         "settings": {
             "model": model, **shape, "attn_res_num_blocks": ATTN_RES_BLOCKS, "dtype": str(dtype),
             "mlp": "dense SwiGLU", "steps": steps, "warmup": warmup, "smoke": not cuda,
-            "attn_res_inplace_source_grads": args.inplace_source_grads,
+            "attn_res_inplace_source_grads": args.inplace_source_grads, "attn_res_fuse_norm": args.fuse_norm,
         },
     }
 

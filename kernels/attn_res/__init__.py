@@ -3,6 +3,8 @@
     out[t] = sum_i a_i[t] v_i[t],   a[t] = softmax_i( w . RMSNorm_gamma(v_i[t]) )
 
 (DESIGN.md section 4; fp32 logits, one head, no scale; docs/attn_res.md has the details.)
+With ``out_norm_weight`` the op returns ``RMSNorm(out)`` instead (the consumer's norm fused in:
+the Triton kernels then never write or read a separate normalised pass).
 
 Entry point: :func:`depth_attention`. Implementations:
 
@@ -27,10 +29,15 @@ from collections.abc import Sequence
 import torch
 
 from kernels.attn_res.grads import SourceGrad, track_source_grad
-from kernels.attn_res.naive import depth_attention_recompute, depth_attention_reference
+from kernels.attn_res.naive import (
+    depth_attention_norm_reference,
+    depth_attention_recompute,
+    depth_attention_reference,
+)
 
 __all__ = [
-    "depth_attention", "depth_attention_reference", "track_source_grad", "SourceGrad",
+    "depth_attention", "depth_attention_reference", "depth_attention_norm_reference",
+    "track_source_grad", "SourceGrad",
     "depth_attention_unchecked", "resolve_impl", "IMPLEMENTATIONS", "SUPPORTED_DTYPES",
 ]
 
@@ -47,6 +54,8 @@ def depth_attention(
     eps: float = 1e-6,
     impl: str = "auto",
     source_grads: Sequence[SourceGrad | None] | None = None,
+    out_norm_weight: torch.Tensor | None = None,
+    out_norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Softmax-weighted mix of n sources over depth, one weight per (token, source).
 
@@ -64,12 +73,17 @@ def depth_attention(
             ``None`` per source. A source given with a ``SourceGrad`` (from
             :func:`track_source_grad`) gets its gradient added into that one buffer in
             backward instead of returned to autograd (``grads.py``).
+        out_norm_weight: optional ``[h]`` weight of an RMSNorm applied to the output (the
+            consumer's norm, fused into the op): returns
+            ``out * rsqrt(mean(out^2) + out_norm_eps) * out_norm_weight`` instead of ``out``.
+        out_norm_eps: that norm's epsilon.
 
     Returns:
         ``[s, b, h]`` (one source's shape) in the sources' dtype; accumulation is fp32.
-        Gradients flow to every source, ``query`` and ``norm_weight`` (in their dtypes).
+        Gradients flow to every source, ``query``, ``norm_weight`` and ``out_norm_weight``
+        (in their dtypes).
     """
-    stacked, flat = _validate(sources, query, norm_weight, impl)
+    stacked, flat = _validate(sources, query, norm_weight, impl, out_norm_weight)
     if source_grads is not None:
         source_grads = tuple(source_grads)
         if stacked or len(source_grads) != len(flat):
@@ -79,11 +93,12 @@ def depth_attention(
         if not any(g is not None for g in source_grads):
             source_grads = None
     impl = resolve_impl(impl, flat[0])
+    eps, out_norm_eps = float(eps), float(out_norm_eps)
     if stacked:
         if impl == "triton":
-            return _fused_function().apply(query, norm_weight, float(eps), True, None, flat[0])
-        return depth_attention_recompute(flat[0], query, norm_weight, float(eps))
-    return depth_attention_unchecked(flat, query, norm_weight, float(eps), impl, source_grads)
+            return _fused_function().apply(query, norm_weight, out_norm_weight, eps, out_norm_eps, True, None, flat[0])
+        return depth_attention_recompute(flat[0], query, norm_weight, eps, None, out_norm_weight, out_norm_eps)
+    return depth_attention_unchecked(flat, query, norm_weight, eps, impl, source_grads, out_norm_weight, out_norm_eps)
 
 
 def depth_attention_unchecked(
@@ -93,6 +108,8 @@ def depth_attention_unchecked(
     eps: float,
     impl: str,
     source_grads: Sequence[SourceGrad | None] | None = None,
+    out_norm_weight: torch.Tensor | None = None,
+    out_norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """:func:`depth_attention` without its checks, for callers that made them once.
 
@@ -100,11 +117,14 @@ def depth_attention_unchecked(
     contiguous tensors of one shape ``[..., h]``, dtype and device (1 <= n <= 64),
     ``query``/``norm_weight`` of shape ``[h]`` on that device, ``eps`` a float, ``impl`` already
     resolved by :func:`resolve_impl` (``"triton"`` or ``"torch"``) and ``source_grads`` ``None``
-    or one ``SourceGrad``/``None`` per source. ``DepthMixer`` calls it after one checked call.
+    or one ``SourceGrad``/``None`` per source, ``out_norm_weight`` ``None`` or ``[h]`` on that
+    device, ``out_norm_eps`` a float. ``DepthMixer`` calls it after one checked call.
     """
     if impl == "triton":
-        return _fused_function().apply(query, norm_weight, eps, False, source_grads, *sources)
-    return depth_attention_recompute(sources, query, norm_weight, eps, source_grads)
+        return _fused_function().apply(
+            query, norm_weight, out_norm_weight, eps, out_norm_eps, False, source_grads, *sources
+        )
+    return depth_attention_recompute(sources, query, norm_weight, eps, source_grads, out_norm_weight, out_norm_eps)
 
 
 def resolve_impl(impl: str, source: torch.Tensor) -> str:
@@ -129,13 +149,13 @@ _FUSED = None
 def _fused_function():
     global _FUSED
     if _FUSED is None:  # triton imported on first use
-        from kernels.attn_res.fused import FusedDepthAttention
+        from kernels.attn_res.function import FusedDepthAttention
 
         _FUSED = FusedDepthAttention
     return _FUSED
 
 
-def _validate(sources, query, norm_weight, impl):
+def _validate(sources, query, norm_weight, impl, out_norm_weight=None):
     """Returns (stacked, [the stacked tensor] or the n sources), each made contiguous."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS}, got {impl!r}")
@@ -161,7 +181,12 @@ def _validate(sources, query, norm_weight, impl):
             )
     if first.dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"sources dtype must be one of {SUPPORTED_DTYPES}, got {first.dtype}")
-    for name, param in (("query", query), ("norm_weight", norm_weight)):
+    params = (("query", query), ("norm_weight", norm_weight), ("out_norm_weight", out_norm_weight))
+    for name, param in params:
+        if param is None and name == "out_norm_weight":
+            continue
+        if not isinstance(param, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor of shape [h] = [{hidden}]")
         if param.shape != (hidden,):
             raise ValueError(f"{name} must have shape [h] = [{hidden}], got {tuple(param.shape)}")
         if param.device != first.device:

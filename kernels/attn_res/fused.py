@@ -22,8 +22,23 @@ sum_i dlogit_i r_i v_i`` is accumulated in fp32 registers; each program writes o
 the rows are summed afterwards (two-stage, deterministic for a given device), and
 ``dw = g * gamma``, ``dgamma = g * w``.
 
-HBM traffic per token, n sources of h elements: forward n reads + 1 write; backward n + 2
-reads (sources, dout, out), n writes, plus one read per accumulated source.
+Optional fused output norm (``NORM_OUT``; the sublayer's RMSNorm that consumes the mix): the
+forward also writes ``normed = x * s * gamma_o`` with ``x`` the output rounded to its dtype (as
+the separate norm would read it) and ``s = rsqrt(mean(x^2) + eps_o)`` (fp32 [T], saved). The
+backward then receives ``dy = dL/dnormed`` and first runs the norm's backward on the row in
+registers: with ``gy = dy * gamma_o`` and ``p = gy . x``,
+
+    dout = s gy - (s^3 p / h) x,   c = dout . x = eps_o s^3 p   (as x . x = h (1/s^2 - eps_o)),
+
+one reduction instead of two, and ``dgamma_o = sum_tokens dy * x * s`` (fp32 per-program rows,
+summed afterwards); then the mix backward as above. ``out`` itself is still written (the norm
+backward and ``c`` need it; recovering it from ``normed / gamma_o`` fails where gamma_o = 0).
+
+HBM traffic per token, n sources of h elements: forward n reads + 1 write (+ 1 write with the
+norm: ``normed``); backward n + 2 reads (sources, dout, out), n writes, plus one read per
+accumulated source (the same with the norm: it reads dy instead of dout). The separate norm
+read ``out`` and wrote ``normed`` in forward and read ``out`` and ``dy`` and wrote ``dout`` in
+backward, besides the launches (PyTorch's ``rms_norm`` there is several elementwise kernels).
 
 Sources and source gradients are passed as tuples of tensors (one pointer each, unrolled over
 the constexpr n), so nothing is ever stacked.
@@ -52,8 +67,10 @@ def _add_triple(a0, b0, c0, a1, b1, c1):
 
 @triton.jit
 def _depth_attention_fwd_kernel(
-    src_ptrs, query_ptr, norm_weight_ptr, out_ptr, lse_ptr, T, H, eps,
+    src_ptrs, query_ptr, norm_weight_ptr, out_ptr, lse_ptr, out_norm_weight_ptr, normed_ptr, out_rstd_ptr,
+    T, H, eps, out_norm_eps,
     N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FUSE_REDUCTIONS: tl.constexpr,
+    NORM_OUT: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < T
@@ -83,17 +100,25 @@ def _depth_attention_fwd_kernel(
         normaliser = normaliser * rescale + weight
         acc = acc * rescale[:, None] + weight[:, None] * v
         running_max = new_max
-    out = acc / normaliser[:, None]
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    out = (acc / normaliser[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, out, mask=mask)
     tl.store(lse_ptr + rows, running_max + tl.log(normaliser), mask=row_mask)
+    if NORM_OUT:  # RMSNorm of the rounded output, as the sublayer's norm would compute it
+        x = out.to(tl.float32)
+        out_rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + out_norm_eps)
+        gamma_out = tl.load(out_norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        normed = x * out_rstd[:, None] * gamma_out[None, :]
+        tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rstd_ptr + rows, out_rstd, mask=row_mask)
 
 
 @triton.jit
 def _depth_attention_bwd_kernel(
     src_ptrs, grad_ptrs, query_ptr, norm_weight_ptr, out_ptr, grad_out_ptr, lse_ptr, partial_g_ptr,
-    T, H, eps,
+    out_norm_weight_ptr, out_rstd_ptr, partial_g_out_norm_ptr,
+    T, H, eps, out_norm_eps,
     N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    FUSE_REDUCTIONS: tl.constexpr, PREFETCH: tl.constexpr,
+    FUSE_REDUCTIONS: tl.constexpr, PREFETCH: tl.constexpr, NORM_OUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -102,6 +127,8 @@ def _depth_attention_bwd_kernel(
     u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     g_acc = tl.zeros([BLOCK_H], tl.float32)
+    if NORM_OUT:
+        g_out_norm_acc = tl.zeros([BLOCK_H], tl.float32)
 
     for tile in range(pid, tl.cdiv(T, BLOCK_T), num_programs):
         rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -118,7 +145,18 @@ def _depth_attention_bwd_kernel(
         dout = tl.load(grad_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         out = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-        c = tl.sum(dout * out, axis=1)  # = sum_i a_i (dout . v_i)
+        if NORM_OUT:  # dout is the grad of RMSNorm(out): the norm's backward first, in registers
+            out_rstd = tl.load(out_rstd_ptr + rows, mask=row_mask, other=0.0)
+            # Loaded per tile (a cache hit): held across the loop, it made ptxas spill at small h.
+            gamma_out = tl.load(out_norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            g_out_norm_acc += tl.sum(dout * out * out_rstd[:, None], axis=0)
+            dout = dout * gamma_out[None, :]
+            dot = tl.sum(dout * out, axis=1)
+            r3 = out_rstd * out_rstd * out_rstd
+            dout = out_rstd[:, None] * dout - (r3 * dot / H)[:, None] * out
+            c = out_norm_eps * r3 * dot  # = dout . out, exactly (see the module docstring)
+        else:
+            c = tl.sum(dout * out, axis=1)  # = sum_i a_i (dout . v_i)
         for i in tl.static_range(N):
             if PREFETCH:
                 v = v_next.to(tl.float32)
@@ -152,6 +190,8 @@ def _depth_attention_bwd_kernel(
             g_acc += tl.sum(coef[:, None] * v, axis=0)
 
     tl.store(partial_g_ptr + pid.to(tl.int64) * H + cols, g_acc, mask=col_mask)
+    if NORM_OUT:
+        tl.store(partial_g_out_norm_ptr + pid.to(tl.int64) * H + cols, g_out_norm_acc, mask=col_mask)
 
 
 @dataclass(frozen=True)
@@ -164,8 +204,9 @@ class LaunchConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(hidden: int, tile_elements: int) -> LaunchConfig:
-    """About ``tile_elements`` values per tile (whole rows), about 8 per thread.
+def launch_config(hidden: int, tile_elements: int, per_thread: int = 8) -> LaunchConfig:
+    """About ``tile_elements`` values per tile (whole rows), about ``per_thread`` per thread
+    (at most 16 warps).
 
     The unrolled source loop issues the n loads of a tile early (good for bandwidth), so
     registers grow with n x elements per thread; tests/kernels/test_attn_res_compile.py checks
@@ -173,8 +214,17 @@ def launch_config(hidden: int, tile_elements: int) -> LaunchConfig:
     """
     block_h = triton.next_power_of_2(hidden)
     block_t = max(1, min(16, tile_elements // block_h))
-    num_warps = max(1, min(16, block_t * block_h // 256))
+    num_warps = max(1, min(16, block_t * block_h // (32 * per_thread)))
     return LaunchConfig(block_t, block_h, num_warps)
+
+
+def backward_launch_config(hidden: int, norm_out: bool) -> LaunchConfig:
+    """The backward's tile. With the fused output norm, fewer values per thread: at n = 9,
+    h = 2048 (ptxas sm_90) the norm's extra per-thread row vectors took the 8-per-thread kernel
+    from 119 to 150 registers (one 8-warp program per SM instead of two); at 4 per thread
+    (16 warps) it needs 90, i.e. the same 16 warps per SM as the kernel without the norm."""
+    per_thread = BACKWARD_NORM_VALUES_PER_THREAD if norm_out else 8
+    return launch_config(hidden, BACKWARD_TILE_ELEMENTS, per_thread)
 
 
 # Tile sizes (elements per token tile), read at call time so the benchmark can sweep them.
@@ -186,6 +236,7 @@ BACKWARD_PROGRAMS_PER_SM: int | None = None
 FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one barrier, not two)
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
+BACKWARD_NORM_VALUES_PER_THREAD = 4  # backward with the fused output norm (backward_launch_config)
 _resident_programs: dict = {}
 _PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
@@ -222,23 +273,35 @@ def _tokens(source: torch.Tensor) -> tuple[int, int]:
 
 
 def fused_depth_attention_forward(
-    sources: Sequence[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out_norm_weight: torch.Tensor | None = None,
+    out_norm_eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``sources``: n contiguous ``[..., h]`` tensors (T tokens); returns (``out`` of their shape
-    and dtype, ``lse [T]`` fp32, the log of the softmax normaliser)."""
+    and dtype, ``lse [T]`` fp32, the log of the softmax normaliser, ``normed``, ``out_rstd``):
+    with ``out_norm_weight`` also ``normed = RMSNorm(out)`` (out's shape and dtype) and its
+    ``rstd [T]`` fp32; otherwise those two are ``None``."""
     T, H = _tokens(sources[0])
+    norm_out = out_norm_weight is not None
     out = torch.empty_like(sources[0])
     lse = torch.empty(T, dtype=torch.float32, device=out.device)
+    normed = torch.empty_like(out) if norm_out else None
+    out_rstd = torch.empty(T, dtype=torch.float32, device=out.device) if norm_out else None
     if T == 0:
-        return out, lse
+        return out, lse, normed, out_rstd
     cfg = launch_config(H, FORWARD_TILE_ELEMENTS)
     grid = (-(-T // cfg.block_t),)
     _depth_attention_fwd_kernel[grid](
-        tuple(sources), query, norm_weight, out, lse, T, H, eps,
+        tuple(sources), query, norm_weight, out, lse,
+        out_norm_weight if norm_out else norm_weight, normed if norm_out else out, out_rstd if norm_out else lse,
+        T, H, eps, out_norm_eps,
         N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, FUSE_REDUCTIONS=FORWARD_FUSE_REDUCTIONS,
-        num_warps=cfg.num_warps,
+        NORM_OUT=norm_out, num_warps=cfg.num_warps,
     )
-    return out, lse
+    return out, lse, normed, out_rstd
 
 
 def fused_depth_attention_backward(
@@ -253,99 +316,57 @@ def fused_depth_attention_backward(
     accumulate: Sequence[bool],
     need_query: bool = True,
     need_norm_weight: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    out_norm_weight: torch.Tensor | None = None,
+    out_norm_eps: float = 0.0,
+    out_rstd: torch.Tensor | None = None,
+    need_out_norm_weight: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Writes (or, where ``accumulate[i]``, adds) each source's grad into ``grad_sources[i]``
-    (contiguous, the sources' shape); returns (grad query, grad norm_weight), ``None`` where
-    not needed."""
+    (contiguous, the sources' shape); returns (grad query, grad norm_weight, grad
+    out_norm_weight), ``None`` where not needed. With ``out_norm_weight`` (and the forward's
+    ``out_rstd``), ``grad_out`` is the grad of ``normed = RMSNorm(out)``."""
     T, H = _tokens(sources[0])
-    cfg = launch_config(H, BACKWARD_TILE_ELEMENTS)
+    norm_out = out_norm_weight is not None
+    cfg = backward_launch_config(H, norm_out)
+    device = grad_out.device
     if T == 0:
-        g = torch.zeros(H, dtype=torch.float32, device=grad_out.device)
+        g = torch.zeros(H, dtype=torch.float32, device=device)
+        g_out_norm = g if norm_out else None
     else:
         mask = 0
         for i, flag in enumerate(accumulate):
             if flag:
                 mask |= 1 << i
         n = len(sources)
-        device = grad_out.device
-        key = (device, n, mask, cfg, sources[0].dtype, BACKWARD_FUSE_REDUCTIONS, BACKWARD_PREFETCH,
+        key = (device, n, mask, cfg, sources[0].dtype, norm_out, BACKWARD_FUSE_REDUCTIONS, BACKWARD_PREFETCH,
                BACKWARD_PROGRAMS_PER_SM)
         kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
-                      FUSE_REDUCTIONS=BACKWARD_FUSE_REDUCTIONS, PREFETCH=BACKWARD_PREFETCH)
-        args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, None, T, H, eps]
+                      FUSE_REDUCTIONS=BACKWARD_FUSE_REDUCTIONS, PREFETCH=BACKWARD_PREFETCH, NORM_OUT=norm_out)
+        args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, None,
+                out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, None,
+                T, H, eps, out_norm_eps]
         capacity = _backward_capacities.get(key)
         if capacity is None:  # first call with this key: compile, read the register count
-            args[7] = torch.empty((1, H), dtype=torch.float32, device=device)  # a stand-in
+            args[7] = args[10] = torch.empty((1, H), dtype=torch.float32, device=device)  # stand-ins
             capacity = _backward_capacities[key] = _backward_capacity(
                 device, _depth_attention_bwd_kernel, args, kwargs, cfg.num_warps
             )
         programs = max(1, min(-(-T // cfg.block_t), capacity))
         args[7] = partial_g = torch.empty((programs, H), dtype=torch.float32, device=device)
+        partial_g_out_norm = torch.empty((programs, H), dtype=torch.float32, device=device) if norm_out else None
+        args[10] = partial_g_out_norm if norm_out else partial_g
         _depth_attention_bwd_kernel[(programs,)](*args, num_warps=cfg.num_warps, **kwargs)
         g = partial_g.sum(dim=0)
+        g_out_norm = partial_g_out_norm.sum(dim=0) if norm_out else None
     # g is fp32; an fp32 x (fp32, bf16 or fp16) product is computed in fp32 (type promotion),
     # as with an explicit .float(); cast only where the parameter is not fp32.
     return (
         _product(g, norm_weight, query.dtype) if need_query else None,
         _product(g, query, norm_weight.dtype) if need_norm_weight else None,
+        g_out_norm.to(out_norm_weight.dtype) if norm_out and need_out_norm_weight else None,
     )
 
 
 def _product(g: torch.Tensor, other: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     product = g * (other if other.dtype in _PROMOTE_TO_FP32 else other.float())
     return product if product.dtype == dtype else product.to(dtype)
-
-
-class FusedDepthAttention(torch.autograd.Function):
-    """Saves the sources, query, norm weight, the output and ``lse`` (fp32 [T]); one-pass backward.
-
-    ``apply(query, norm_weight, eps, stacked, source_grads, *sources)``: with ``stacked`` one
-    contiguous ``[n, ..., h]`` tensor is given (its grad comes back as one tensor); otherwise n
-    contiguous ``[..., h]`` tensors (no views are made: the kernels index them as ``[T, h]``).
-    ``source_grads`` is ``None`` or one :class:`~kernels.attn_res.grads.SourceGrad` (or ``None``)
-    per source: a source with one gets its grad added into that buffer by the
-    kernel and returns ``None`` to autograd; the others get a fresh tensor each.
-
-    The output is saved for ``c = dout . out``: it is the tensor this op returns, which its
-    consumer (the sublayer's input norm) keeps for its own backward, so no memory is added.
-    """
-
-    @staticmethod
-    def forward(ctx, query, norm_weight, eps, stacked, source_grads, *sources):
-        ctx.stacked = stacked
-        ctx.source_grads = source_grads
-        views = tuple(sources[0].unbind(0)) if stacked else sources
-        ctx.eps = eps
-        out, lse = fused_depth_attention_forward(views, query, norm_weight, eps)
-        ctx.save_for_backward(query, norm_weight, out, lse, *sources)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        query, norm_weight, out, lse, *sources = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        if ctx.stacked:
-            grad_stacked = torch.empty_like(sources[0])
-            views, dests, accumulate = tuple(sources[0].unbind(0)), tuple(grad_stacked.unbind(0)), ()
-            returned = [grad_stacked if needs[5] else None]
-        else:
-            views, dests, accumulate, returned = tuple(sources), [], [], []
-            source_grads = ctx.source_grads or (None,) * len(views)
-            for v, source_grad, need in zip(views, source_grads, needs[5:]):
-                if source_grad is None:
-                    dests.append(torch.empty_like(v))
-                    accumulate.append(False)
-                    returned.append(dests[-1] if need else None)
-                    continue
-                current = source_grad.current()
-                accumulate.append(current is not None)
-                if current is None:
-                    current = torch.empty_like(v)
-                    source_grad.set(current)
-                dests.append(current)
-                returned.append(None)
-        grad_query, grad_norm_weight = fused_depth_attention_backward(
-            views, query, norm_weight, ctx.eps, out, lse, grad_out.contiguous(), dests, accumulate,
-            needs[0], needs[1],
-        )
-        return grad_query, grad_norm_weight, None, None, None, *returned

@@ -100,9 +100,7 @@ class AttnResTransformerBlock(TransformerBlock):
                 state = self._run(start, end, checkpoint, state, layer_kwargs)
         if not self.post_process:
             return pack_for_pipeline(state, pipeline_slots(self.config, self.end_sublayer))
-        out = self.final_mixer(state.sources(), state.source_grads())
-        if self.final_layernorm is not None:
-            out = self.final_layernorm(out)
+        out = self.final_mixer(state.sources(), state.source_grads(), self.final_layernorm)  # Norm(h)
         return make_viewless_tensor(inp=out, requires_grad=True, keep_graph=True)
 
     def _entry_state(self, hidden_states) -> DepthState:

@@ -5,6 +5,14 @@ over the current depth sources instead of from the residual stream, computes
 ``f(Norm(h_l))`` with the layer's own ``input_layernorm`` / ``pre_mlp_layernorm``, and adds its
 output to the block's partial sum (DESIGN.md section 4). The submodules, their specs, names and
 checkpoint keys are Megatron's; only the two mixers are new.
+
+With ``attn_res_fuse_norm`` (default on) a sublayer norm that is our
+:class:`~megatron_ext.layers.norm.RMSNorm` (what ``megatron_ext.model`` builds) is fused into
+the depth mix: the mixer returns ``Norm(h_l)`` from one op, computed with that norm module's own
+``weight`` and ``eps``. The weight stays the norm module's parameter (same checkpoint key and
+attributes, ``sequence_parallel`` included: its grad is a partial sum over the local tokens under
+sequence parallelism, all-reduced by Megatron's ``finalize_model_grads`` as before). Any other
+norm module runs separately on the mix, as without the switch.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from kernels.attn_res import depth_attention, depth_attention_unchecked, resolve_impl
+from megatron_ext.layers.norm import RMSNorm
 from megatron_ext.attn_res.state import DepthState, closes_block, sublayers_per_block
 
 
@@ -31,6 +40,9 @@ class DepthMixer(MegatronModule):
     The first call (and any call whose sources differ in count, shape, dtype or device from the
     last checked one) goes through ``depth_attention``'s checks; the others take its unchecked
     path (a ``DepthState`` keeps all its sources alike and contiguous).
+
+    ``norm`` (the consumer's norm module, or ``None``): the mixer returns ``norm(h)``, fused into
+    the op when :func:`fusable_norm` accepts it and ``attn_res_fuse_norm`` is on.
     """
 
     def __init__(self, config):
@@ -41,7 +53,8 @@ class DepthMixer(MegatronModule):
         self.key_norm_weight = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=torch.float32))
         for p in (self.query, self.key_norm_weight):
             setattr(p, "sequence_parallel", config.sequence_parallel)
-        self._checked = None  # (n, shape, dtype, device, the parameters' device) of the last checked call
+        self.fuse_norm = getattr(config, "attn_res_fuse_norm", True)
+        self._checked = None  # (n, shape, dtype, device, parameter devices) of the last checked call
         self._resolved_impl = None
 
     def _apply(self, fn, recurse=True):
@@ -49,14 +62,33 @@ class DepthMixer(MegatronModule):
         # the softmax over depth is computed in fp32 from them. Device moves still apply.
         return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
 
-    def forward(self, sources: list[torch.Tensor], source_grads=None) -> torch.Tensor:
+    def forward(self, sources: list[torch.Tensor], source_grads=None, norm=None) -> torch.Tensor:
+        fused = norm if self.fuse_norm and fusable_norm(norm) else None
+        out = self._mix(sources, source_grads, fused)
+        return norm(out) if norm is not None and fused is None else out
+
+    def _mix(self, sources, source_grads, out_norm) -> torch.Tensor:
         first, query, weight = sources[0], self.query, self.key_norm_weight
-        key = (len(sources), first.shape, first.dtype, first.device, query.device)
+        out_norm_weight = None if out_norm is None else out_norm.weight
+        out_norm_eps = 0.0 if out_norm is None else float(out_norm.eps)
+        key = (len(sources), first.shape, first.dtype, first.device, query.device,
+               None if out_norm is None else (out_norm_weight.shape, out_norm_weight.device))
         if key == self._checked:
-            return depth_attention_unchecked(sources, query, weight, self.eps, self._resolved_impl, source_grads)
-        out = depth_attention(sources, query, weight, eps=self.eps, impl=self.impl, source_grads=source_grads)
+            return depth_attention_unchecked(
+                sources, query, weight, self.eps, self._resolved_impl, source_grads, out_norm_weight, out_norm_eps
+            )
+        out = depth_attention(
+            sources, query, weight, eps=self.eps, impl=self.impl, source_grads=source_grads,
+            out_norm_weight=out_norm_weight, out_norm_eps=out_norm_eps,
+        )
         self._checked, self._resolved_impl = key, resolve_impl(self.impl, first)
         return out
+
+
+def fusable_norm(norm) -> bool:
+    """Whether ``norm`` can be fused into the depth mix: exactly our ``RMSNorm`` (whose forward
+    is ``rms_norm(x, weight, eps)``), not a subclass that may compute something else."""
+    return type(norm) is RMSNorm and isinstance(norm.eps, (int, float)) and norm.weight.dim() == 1
 
 
 class AttnResTransformerLayer(TransformerLayer):
@@ -91,15 +123,13 @@ class AttnResTransformerLayer(TransformerLayer):
         padding_mask: torch.Tensor | None = None,
         **_unused,
     ) -> DepthState:
-        h = self.attn_mixer(state.sources(), state.source_grads())
         attn = self.self_attention(
-            self.input_layernorm(h),
+            self.attn_mixer(state.sources(), state.source_grads(), self.input_layernorm),  # Norm(h)
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
             packed_seq_params=packed_seq_params,
         )
         state = state.add(self._output(attn), close=self.closes[0])
-        h = self.mlp_mixer(state.sources(), state.source_grads())
-        mlp_input = self.pre_mlp_layernorm(h)
+        mlp_input = self.mlp_mixer(state.sources(), state.source_grads(), self.pre_mlp_layernorm)  # Norm(h)
         mlp = self.mlp(mlp_input, padding_mask=padding_mask) if padding_mask is not None else self.mlp(mlp_input)
         return state.add(self._output(mlp), close=self.closes[1])

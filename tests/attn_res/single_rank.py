@@ -6,6 +6,8 @@ tensors for the tests to compare, so a single process start serves them all.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_ext import cpu_compat
@@ -66,15 +68,19 @@ def one_block_vs_standard(random_queries: bool):
     )
 
 
-def mixer_inputs_at_init(num_blocks: int):
-    """Freshly built model: (sublayer name, sources, mixer output) for every depth mixer."""
-    model = _model(attn_res=True, attn_res_num_blocks=num_blocks)
+def mixer_inputs_at_init(num_blocks: int, fuse_norm: bool):
+    """Freshly built model: (sublayer name, sources, mixer output, the consumer's norm applied to
+    the mean of the sources) for every depth mixer (which returns ``norm(mix)``)."""
+    model = _model(attn_res=True, attn_res_num_blocks=num_blocks, attn_res_fuse_norm=fuse_norm)
     seen = []
+
+    def hook(module, args, out, name):
+        sources, norm = [s.detach() for s in args[0]], args[2]
+        seen.append((name, sources, out.detach(), norm(sum(sources) / len(sources))))
+
     for name, module in model.named_modules():
         if name.endswith("mixer"):
-            module.register_forward_hook(
-                lambda m, args, out, name=name: seen.append((name, [s.detach() for s in args[0]], out.detach()))
-            )
+            module.register_forward_hook(functools.partial(hook, name=name))
     tokens, pos = _batch()
     with torch.no_grad():
         model(tokens, pos, None)
@@ -117,6 +123,31 @@ def inplace_source_grads(num_blocks: int, **overrides):
     return results[0], results[1], list(counts.values())
 
 
+def fuse_norm_on_off(num_blocks: int, **overrides):
+    """Logits and grads with the sublayer norms fused into the depth mixes and run separately
+    (same weights: random mixers and norm weights), and the number of fused norms."""
+    from megatron_ext.attn_res.layer import fusable_norm
+
+    tokens, pos = _batch()
+    results = []
+    for fuse in (False, True):
+        model = _model(attn_res=True, attn_res_num_blocks=num_blocks, attn_res_fuse_norm=fuse, **overrides)
+        runner.randomise_mixers_and_norms([model])
+        probe = torch.randn(*tokens.shape, model.config.padded_vocab_size(), generator=torch.Generator().manual_seed(6))
+        results.append(_logits_and_grads(model, lambda: model(tokens, pos, None), probe))
+    fused = sum(fusable_norm(m) for m in model.modules())
+    return results[0], results[1], fused
+
+
+def run_fuse_norm_triton(rank, world_size):
+    """:func:`fuse_norm_on_off` with the Triton kernels (run with TRITON_INTERPRET=1 set)."""
+    from megatron_ext.parallel import initialize_parallel
+
+    cpu_compat.install()
+    initialize_parallel(harness.tiny_config({}, False), harness.SEED)
+    return fuse_norm_on_off(2, attn_res_impl="triton")
+
+
 def run_all(rank, world_size):
     from megatron_ext.parallel import initialize_parallel
 
@@ -127,10 +158,15 @@ def run_all(rank, world_size):
         "reference_blocks": reference_check(2),
         "one_block_zero_queries": one_block_vs_standard(random_queries=False),
         "one_block_random_queries": one_block_vs_standard(random_queries=True),
-        "init_mixers": mixer_inputs_at_init(2),
+        "init_mixers": mixer_inputs_at_init(2, fuse_norm=False),
+        "init_mixers_fused_norm": mixer_inputs_at_init(2, fuse_norm=True),
         "inplace_blocks": inplace_source_grads(2),
         "inplace_full": inplace_source_grads(8),
         "inplace_recompute": inplace_source_grads(2, **RECOMPUTE_FIRST_LAYER),
+        "fuse_norm_blocks": fuse_norm_on_off(2),
+        "fuse_norm_full": fuse_norm_on_off(8),
+        "fuse_norm_recompute": fuse_norm_on_off(2, **RECOMPUTE_FIRST_LAYER),
+        "fuse_norm_no_inplace": fuse_norm_on_off(2, attn_res_inplace_source_grads=False),
         "saved_bytes_standard": saved_activation_bytes(),
         "saved_bytes_full_attn_res": saved_activation_bytes(attn_res=True, attn_res_num_blocks=8),
     }

@@ -1,7 +1,8 @@
 """Block AttnRes under parallel layouts and activation recompute == one rank (loss and grads).
 
-One reference checkpoint (random depth mixers) serves every block count: the parameters do not
-depend on N. One-rank results are computed once per N.
+One reference checkpoint (random depth mixers and norm weights) serves every block count: the
+parameters do not depend on N. One-rank results are computed once per N, with the norms fused
+into the depth mixes (the default); one PP2 run has them separate.
 """
 
 import functools
@@ -19,7 +20,7 @@ BLOCKS_OF_2 = dict(attn_res=True, attn_res_num_blocks=4)  # boundary widths 2, 3
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("ref_attn_res"))
-    run_distributed(harness.save_reference, 1, ckpt, False, BLOCKS_OF_4, runner.randomise_mixers)
+    run_distributed(harness.save_reference, 1, ckpt, False, BLOCKS_OF_4, runner.randomise_mixers_and_norms)
     windows = harness.make_batches()
 
     @functools.cache
@@ -51,8 +52,10 @@ RECOMPUTE_BLOCK = dict(recompute_granularity="full", recompute_method="block", r
             dict(BLOCKS_OF_2, **RECOMPUTE_BLOCK),
         ),
         (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), BLOCKS_OF_4),
+        # The norms run separately (attn_res_fuse_norm off) vs the fused one-rank run.
+        (2, PP2, dict(BLOCKS_OF_4, attn_res_fuse_norm=False)),
     ],
-    ids=["pp2-recompute-uniform", "pp4", "pp2-interleaved-recompute-block", "tp2-sp"],
+    ids=["pp2-recompute-uniform", "pp4", "pp2-interleaved-recompute-block", "tp2-sp", "pp2-norm-unfused"],
 )
 def test_layout_matches_one_rank(reference, world, layout, overrides):
     ckpt, windows, one_rank = reference

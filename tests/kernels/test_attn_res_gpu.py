@@ -79,3 +79,28 @@ def test_auto_picks_the_kernel_with_the_recompute_memory_of_the_reference():
     assert len(saved) == 5
     out_torch = depth_attention(v, query, norm_weight, impl="torch")
     _assert_relative_close(out_auto, out_torch.float(), 1e-2, "auto vs torch")
+
+
+@pytest.mark.parametrize("hidden", [1536, 2048])
+@pytest.mark.parametrize("n", [1, 3, 9])
+def test_bf16_fused_norm_matches_fp32_reference(n, hidden):
+    # The consumer's RMSNorm fused in, with a bf16 norm weight (as under Float16Module).
+    from kernels.attn_res import depth_attention_norm_reference
+
+    sources, query, norm_weight, grad = _inputs(n, 1000, hidden, seed=7 * n + hidden)
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    out_norm_weight = (1 + 0.3 * torch.randn(hidden, generator=gen, device="cuda")).bfloat16()
+
+    def run(fn, v, dy, gamma_o):
+        leaves = [v.clone().requires_grad_(True), query.clone().requires_grad_(True),
+                  norm_weight.clone().requires_grad_(True), gamma_o.clone().requires_grad_(True)]
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, dy))
+
+    kernel = run(lambda v, w, g, go: depth_attention(list(v.unbind(0)), w, g, out_norm_weight=go),
+                 sources, grad, out_norm_weight)
+    reference = run(depth_attention_norm_reference, sources.float(), grad.float(), out_norm_weight.float())
+    assert kernel[0].dtype == kernel[1].dtype == kernel[4].dtype == torch.bfloat16
+    names = ("normed", "d_sources", "d_query", "d_norm_weight", "d_out_norm_weight")
+    for name, a, b, bound in zip(names, kernel, reference, (1e-2, 2e-2, 2e-2, 2e-2, 1e-2)):
+        _assert_relative_close(a, b, bound, name)

@@ -1,0 +1,71 @@
+"""The autograd Function around the fused Triton kernels (``fused.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attn_res.fused import fused_depth_attention_backward, fused_depth_attention_forward
+
+# Position of the first source in FusedDepthAttention.apply's arguments.
+_FIRST_SOURCE = 7
+
+
+class FusedDepthAttention(torch.autograd.Function):
+    """Saves the sources, query, norm weight, the output and ``lse`` (fp32 [T]); one-pass backward.
+
+    ``apply(query, norm_weight, out_norm_weight, eps, out_norm_eps, stacked, source_grads, *sources)``:
+    with ``stacked`` one contiguous ``[n, ..., h]`` tensor is given (its grad comes back as one
+    tensor); otherwise n contiguous ``[..., h]`` tensors (no views are made: the kernels index
+    them as ``[T, h]``). ``source_grads`` is ``None`` or one
+    :class:`~kernels.attn_res.grads.SourceGrad` (or ``None``) per source: a source with one gets
+    its grad added into that buffer by the kernel and returns ``None`` to autograd; the others get
+    a fresh tensor each.
+
+    ``out_norm_weight`` ``None``: returns the mix ``out``, which is saved for ``c = dout . out``;
+    it is the tensor its consumer (the sublayer's input norm) keeps for its own backward, so no
+    memory is added. Otherwise returns ``RMSNorm_{out_norm_weight, out_norm_eps}(out)`` (the
+    sublayer's norm fused in) and also saves ``out_norm_weight`` and the norm's ``rstd`` (fp32
+    [T]); ``out`` is then saved by this op alone (the returned tensor is kept by its consumer).
+    """
+
+    @staticmethod
+    def forward(ctx, query, norm_weight, out_norm_weight, eps, out_norm_eps, stacked, source_grads, *sources):
+        ctx.stacked = stacked
+        ctx.source_grads = source_grads
+        views = tuple(sources[0].unbind(0)) if stacked else sources
+        ctx.eps, ctx.out_norm_eps = eps, out_norm_eps
+        out, lse, normed, out_rstd = fused_depth_attention_forward(
+            views, query, norm_weight, eps, out_norm_weight, out_norm_eps
+        )
+        ctx.save_for_backward(query, norm_weight, out, lse, out_norm_weight, out_rstd, *sources)
+        return out if normed is None else normed
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, norm_weight, out, lse, out_norm_weight, out_rstd, *sources = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        if ctx.stacked:
+            grad_stacked = torch.empty_like(sources[0])
+            views, dests, accumulate = tuple(sources[0].unbind(0)), tuple(grad_stacked.unbind(0)), ()
+            returned = [grad_stacked if needs[_FIRST_SOURCE] else None]
+        else:
+            views, dests, accumulate, returned = tuple(sources), [], [], []
+            source_grads = ctx.source_grads or (None,) * len(views)
+            for v, source_grad, need in zip(views, source_grads, needs[_FIRST_SOURCE:]):
+                if source_grad is None:
+                    dests.append(torch.empty_like(v))
+                    accumulate.append(False)
+                    returned.append(dests[-1] if need else None)
+                    continue
+                current = source_grad.current()
+                accumulate.append(current is not None)
+                if current is None:
+                    current = torch.empty_like(v)
+                    source_grad.set(current)
+                dests.append(current)
+                returned.append(None)
+        grad_query, grad_norm_weight, grad_out_norm_weight = fused_depth_attention_backward(
+            views, query, norm_weight, ctx.eps, out, lse, grad_out.contiguous(), dests, accumulate,
+            needs[0], needs[1], out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2],
+        )
+        return grad_query, grad_norm_weight, grad_out_norm_weight, None, None, None, None, *returned

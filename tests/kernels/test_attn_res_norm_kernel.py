@@ -1,0 +1,173 @@
+"""Depth attention with the consumer's RMSNorm fused in (``out_norm_weight``), on the CPU interpreter.
+
+Fused Triton kernel vs the plain-autograd reference ``depth_attention_norm_reference``
+(RMSNorm of the rounded mix): every output and gradient (sources, query, key-norm weight,
+output-norm weight) with random, non-zero inputs; several n and h (h not a power of two), 37
+tokens (not a multiple of any tile). The cases run in a ``TRITON_INTERPRET=1`` subprocess
+(tests/kernels/interpreter.py).
+"""
+
+import pytest
+import torch
+
+from kernels.attn_res import depth_attention, depth_attention_norm_reference, track_source_grad
+from tests.kernels.interpreter import interpreter_case, launcher_test
+
+test_cases_under_interpreter = launcher_test(__file__)
+
+EPS, OUT_NORM_EPS = 1e-6, 1e-5
+NAMES = ("normed", "d_sources", "d_query", "d_norm_weight", "d_out_norm_weight")
+
+
+def _inputs(n, tokens, hidden, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    scales = torch.rand(n, 1, 1, generator=gen) * 3 + 0.2  # sources of different sizes
+    sources = (torch.randn(n, tokens, hidden, generator=gen) * scales).to(dtype)
+    query = torch.randn(hidden, generator=gen) * 0.5
+    norm_weight = 1 + 0.3 * torch.randn(hidden, generator=gen)
+    out_norm_weight = 1 + 0.3 * torch.randn(hidden, generator=gen)
+    grad_normed = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    return sources, query, norm_weight, out_norm_weight, grad_normed
+
+
+def _forward_backward(impl, sources, query, norm_weight, out_norm_weight, grad_normed, as_list=True):
+    v = sources.clone().requires_grad_(True)
+    params = [t.clone().requires_grad_(True) for t in (query, norm_weight, out_norm_weight)]
+    if impl == "reference":
+        out = depth_attention_norm_reference(v, *params, EPS, OUT_NORM_EPS)
+    else:
+        out = depth_attention(
+            list(v.unbind(0)) if as_list else v, params[0], params[1], eps=EPS, impl=impl,
+            out_norm_weight=params[2], out_norm_eps=OUT_NORM_EPS,
+        )
+    return (out, *torch.autograd.grad(out, (v, *params), grad_normed))
+
+
+def _assert_all_close(got, want, rtol=1e-4, atol=1e-5):
+    for name, a, b in zip(NAMES, got, want):
+        assert b.abs().max() > 0, f"{name}: zero reference, the comparison would be vacuous"
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * float(b.detach().abs().max()), msg=name)
+
+
+@interpreter_case
+@pytest.mark.parametrize("as_list", [False, True])
+@pytest.mark.parametrize("hidden", [32, 80])
+@pytest.mark.parametrize("n", [1, 3, 9])
+def test_fused_norm_matches_reference_fp32(n, hidden, as_list):
+    inputs = _inputs(n, 37, hidden, seed=10 * n + hidden)
+    kernel = _forward_backward("triton", *inputs, as_list=as_list)
+    reference = _forward_backward("reference", *inputs)
+    if n == 1:  # one source: the softmax is constant, the mixer's parameters get exactly zero
+        for a in kernel[2:4]:
+            assert torch.equal(a, torch.zeros_like(a))
+        kernel, reference = kernel[:2] + kernel[4:], reference[:2] + reference[4:]
+        for name, a, b in zip(NAMES[:2] + NAMES[4:], kernel, reference):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.detach().abs().max()), msg=name)
+        return
+    _assert_all_close(kernel, reference)
+
+
+@interpreter_case
+@pytest.mark.parametrize("n", [2, 5])
+def test_torch_recompute_path_matches_reference(n):
+    inputs = _inputs(n, 37, 48, seed=n)
+    _assert_all_close(_forward_backward("torch", *inputs), _forward_backward("reference", *inputs), rtol=1e-5)
+
+
+@interpreter_case
+@pytest.mark.parametrize("forward_tile, backward_tile", [(64, 64), (256, 128)])
+def test_fused_norm_other_tile_sizes(monkeypatch, forward_tile, backward_tile):
+    import kernels.attn_res.fused as fused
+
+    monkeypatch.setattr(fused, "FORWARD_TILE_ELEMENTS", forward_tile)
+    monkeypatch.setattr(fused, "BACKWARD_TILE_ELEMENTS", backward_tile)
+    inputs = _inputs(4, 37, 48, seed=forward_tile)
+    _assert_all_close(_forward_backward("triton", *inputs), _forward_backward("reference", *inputs))
+
+
+@interpreter_case
+def test_fused_norm_fp16_close_to_unfused():
+    # fp16 inputs: the fused op vs the unfused pair (mix kernel, then the separate norm) on
+    # the same fp16 tensors; both round the mix to fp16 before the norm.
+    from kernels.attn_res.naive import rms_norm_reference
+
+    sources, query, norm_weight, out_norm_weight, grad = _inputs(4, 37, 48, seed=2, dtype=torch.float16)
+    fused = _forward_backward("triton", sources, query, norm_weight, out_norm_weight, grad)
+    v = sources.clone().requires_grad_(True)
+    params = [t.clone().requires_grad_(True) for t in (query, norm_weight, out_norm_weight)]
+    mixed = depth_attention(list(v.unbind(0)), params[0], params[1], eps=EPS, impl="triton")
+    out = rms_norm_reference(mixed, params[2], OUT_NORM_EPS)
+    unfused = (out, *torch.autograd.grad(out, (v, *params), grad))
+    assert fused[0].dtype == fused[1].dtype == torch.float16
+    torch.testing.assert_close(fused[0], unfused[0], rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(fused[1].float(), unfused[1].float(), rtol=5e-3, atol=5e-3)
+    for name, a, b in zip(NAMES[2:], fused[2:], unfused[2:]):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 5e-3, name
+
+
+@interpreter_case
+def test_fused_norm_zero_gamma_entries_and_param_dtypes():
+    # Zeros in the output norm's weight (the fused backward does not divide by it) and a
+    # low-precision weight, whose grad comes back in its own dtype.
+    sources, query, norm_weight, out_norm_weight, grad = _inputs(3, 37, 48, seed=3)
+    out_norm_weight[::5] = 0.0
+    kernel = _forward_backward("triton", sources, query, norm_weight, out_norm_weight, grad)
+    _assert_all_close(kernel, _forward_backward("reference", sources, query, norm_weight, out_norm_weight, grad))
+    g = out_norm_weight.half().requires_grad_(True)
+    out = depth_attention(list(sources.unbind(0)), query, norm_weight, impl="triton", out_norm_weight=g)
+    (dg,) = torch.autograd.grad(out.sum(), (g,))
+    assert dg.dtype == torch.float16
+
+
+@interpreter_case
+def test_fused_norm_saves_inputs_output_lse_rstd_and_is_deterministic():
+    sources, query, norm_weight, out_norm_weight, grad = _inputs(3, 37, 32, seed=4)
+    leaves = [t.requires_grad_(True) for t in (sources, query, norm_weight, out_norm_weight)]
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        normed = depth_attention(leaves[0], *leaves[1:3], impl="triton", out_norm_weight=leaves[3])
+    # The inputs, the mix output (not the returned normed tensor) and two fp32 numbers per token.
+    inputs = {t.data_ptr() for t in leaves}
+    assert normed.data_ptr() not in {t.data_ptr() for t in saved}
+    assert inputs <= {t.data_ptr() for t in saved}
+    extra = [t for t in saved if t.data_ptr() not in inputs]
+    assert sorted(tuple(t.shape) for t in extra) == [(37,), (37,), (37, 32)], [t.shape for t in extra]
+    first = torch.autograd.grad(normed, leaves, grad, retain_graph=True)
+    second = torch.autograd.grad(normed, leaves, grad)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@interpreter_case
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_fused_norm_with_source_grads_summed_in_place(impl):
+    # Several fused calls reading the same sources, tracked and untracked: the same grads.
+    gen = torch.Generator().manual_seed(5)
+    tokens, hidden = 21, 48
+    leaves = [(torch.randn(tokens, hidden, generator=gen) * (1 + i)).requires_grad_(True) for i in range(4)]
+    queries = [torch.randn(hidden, generator=gen) * 0.5 for _ in range(4)]
+    gamma = 1 + 0.3 * torch.randn(hidden, generator=gen)
+    out_gamma = (1 + 0.3 * torch.randn(hidden, generator=gen)).requires_grad_(True)
+    weights = torch.randn(tokens, hidden, generator=gen)
+
+    def loss(track):
+        sources = [t * 1.0 for t in leaves]
+        grads = [None] * len(sources)
+        if track:
+            sources, grads = map(list, zip(*(track_source_grad(t) for t in sources)))
+        total = 0
+        for k, w in enumerate(queries):
+            out = depth_attention(sources[: k + 1], w, gamma, impl=impl, source_grads=grads[: k + 1],
+                                  out_norm_weight=out_gamma)
+            total = total + (out * weights).sum() ** 2 / 100
+        return total + (sources[0] * sources[2]).sum()
+
+    expected = torch.autograd.grad(loss(False), [*leaves, out_gamma])
+    got = torch.autograd.grad(loss(True), [*leaves, out_gamma])
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
