@@ -66,6 +66,8 @@ def parse_args(argv=None):
                    help="AttnRes with autograd's per-call source-gradient sums (attn_res_inplace_source_grads=False)")
     p.add_argument("--no-fuse-norm", dest="fuse_norm", action="store_false",
                    help="AttnRes with the sublayer norms run separately on the mix (attn_res_fuse_norm=False)")
+    p.add_argument("--profile", choices=("standard", "attnres"), default=None,
+                   help="instead of timing: profile 3 training steps of one model, print kernel and operator tables")
     return p.parse_args(argv)
 
 
@@ -79,13 +81,13 @@ def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: b
                         use_cpu_initialization=not bf16, **model, **extra)
 
 
-def time_training_step(config, shape: dict, steps: int, warmup: int) -> dict:
+def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=None) -> dict:
     """Median step ms and peak GB of one model: forward+backward (Megatron schedule) + AdamW."""
     from megatron_ext.parallel import build_model_chunks
 
     result = bench_common.time_training_step(
         lambda: build_model_chunks(config), config, config.vocab_size, shape["seq"], shape["micro_batch"],
-        warmup, steps)
+        warmup, steps, profiler=profiler)
     return {"step_ms": result["step_ms"], "peak_mem_gb": result["peak_gb"]}
 
 
@@ -115,6 +117,20 @@ def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: in
     return {"kernel_ms": result["triton"], "reference_ms": result["torch"]}
 
 
+def profile_model(args, config, shape: dict, cuda: bool) -> str:
+    """Kernel and operator tables (tools/profile_tables.py) of 3 steps after the warm-up."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from tools.profile_tables import kernel_table, op_table
+
+    active, warmup = 3, args.warmup if args.warmup is not None else 3
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, schedule=schedule(wait=warmup, warmup=1, active=active, repeat=1)) as prof:
+        step = time_training_step(config, shape, warmup + 1 + active, 0, profiler=prof)
+    head = f"# Profile: bench_attnres `{args.profile}` model, step {step['step_ms']:.1f} ms under the profiler\n"
+    return "\n".join([head, kernel_table(prof, active, cuda, top=30), op_table(prof, active, cuda, top=40)])
+
+
 def run(args) -> dict:
     from megatron_ext.parallel import initialize_parallel
 
@@ -127,6 +143,10 @@ def run(args) -> dict:
     bench_common.init_process_group(cuda)
     standard_config = make_config(model, bf16=cuda, attn_res=False)
     initialize_parallel(standard_config, seed=1234)
+    if args.profile:
+        config = standard_config if args.profile == "standard" else make_config(
+            model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm)
+        return {"profile": profile_model(args, config, shape, cuda)}
     standard = time_training_step(standard_config, shape, steps, warmup)
     attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True,
                                               inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm),
@@ -166,6 +186,11 @@ def print_table(r: dict) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     result = run(args)
+    if "profile" in result:
+        print(result["profile"])
+        if args.out:
+            Path(args.out).write_text(result["profile"])
+        return result
     print_table(result)
     out = args.out or (None if args.smoke else DEFAULT_OUT)
     if out:

@@ -253,8 +253,8 @@ def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int)
             f"`tools/bench_e2e.py --profile {name}`: {PROFILE_ACTIVE_STEPS} training steps after "
             f"{skipped_steps} unrecorded warm-up steps; sequence {row['seq']}, micro-batch {row['micro_batch']}, "
             f"{row['gpus']} GPU(s); step time under the profiler {row['step_ms']:.1f} ms.", ""]
-    return "\n".join(head) + "\n" + kernel_table(prof, PROFILE_ACTIVE_STEPS, cuda) + "\n" + \
-        op_table(prof, PROFILE_ACTIVE_STEPS, cuda)
+    return "\n".join(head) + "\n" + kernel_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=30) + "\n" + \
+        op_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=40)
 
 
 # --- Output --------------------------------------------------------------------------------------
