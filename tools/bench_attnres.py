@@ -121,14 +121,15 @@ def profile_model(args, config, shape: dict, cuda: bool) -> str:
     """Kernel and operator tables (tools/profile_tables.py) of 3 steps after the warm-up."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from tools.profile_tables import kernel_table, op_table
+    from tools.profile_tables import host_table, kernel_table, op_table
 
     active, warmup = 3, args.warmup if args.warmup is not None else 3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, schedule=schedule(wait=warmup, warmup=1, active=active, repeat=1)) as prof:
         step = time_training_step(config, shape, warmup + 1 + active, 0, profiler=prof)
     head = f"# Profile: bench_attnres `{args.profile}` model, step {step['step_ms']:.1f} ms under the profiler\n"
-    return "\n".join([head, kernel_table(prof, active, cuda, top=30), op_table(prof, active, cuda, top=40)])
+    return "\n".join([head, kernel_table(prof, active, cuda, top=30), op_table(prof, active, cuda, top=40),
+                      host_table(prof, active)])
 
 
 def run(args) -> dict:

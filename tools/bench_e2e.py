@@ -246,7 +246,7 @@ def profile_variant(name: str, args, cuda: bool) -> str:
 
 
 def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int) -> str:
-    from tools.profile_tables import kernel_table, op_table
+    from tools.profile_tables import host_table, kernel_table, op_table
 
     device = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
     head = [f"# Profile: `{name}` ({device}, {datetime.date.today().isoformat()})", "",
@@ -254,7 +254,7 @@ def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int)
             f"{skipped_steps} unrecorded warm-up steps; sequence {row['seq']}, micro-batch {row['micro_batch']}, "
             f"{row['gpus']} GPU(s); step time under the profiler {row['step_ms']:.1f} ms.", ""]
     return "\n".join(head) + "\n" + kernel_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=30) + "\n" + \
-        op_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=40)
+        op_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=40) + "\n" + host_table(prof, PROFILE_ACTIVE_STEPS)
 
 
 # --- Output --------------------------------------------------------------------------------------

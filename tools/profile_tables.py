@@ -3,6 +3,8 @@
 * :func:`kernel_table`: the top kernels by self device time (CUDA; CPU ops on the CPU).
 * :func:`op_table`: device time per operator, with the autograd node that ran it in backward
   (``bwd: MulBackward0``), so that anonymous elementwise kernels get a name a reader can act on.
+* :func:`host_table`: the host (CPU) time per operator and runtime call: where a step that launches
+  faster than the GPU runs would not be limited by the CPU, and where it is.
 """
 
 from __future__ import annotations
@@ -64,4 +66,18 @@ def op_table(prof, steps: int, cuda: bool, top: int = 25) -> str:
     for i, ((name, node), (us, calls)) in enumerate(rows[:top], 1):
         lines.append(f"| {i} | `{_label(name, 60)}` | {node or '-'} | {calls / steps:.0f} | {us / 1e3 / steps:.3f} | "
                      f"{100 * us / grand:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def host_table(prof, steps: int, top: int = 25) -> str:
+    """Self CPU time per operator / CUDA runtime call (ms per step), largest first."""
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU
+              and not e.key.startswith("ProfilerStep")]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    lines = [f"Top {top} host-side entries by self CPU time ({total / 1e3 / steps:.1f} ms per step in all):", "",
+             "| # | operator / runtime call | calls / step | self CPU ms / step | % |", "| --- | --- | --- | --- | --- |"]
+    for i, e in enumerate(events[:top], 1):
+        lines.append(f"| {i} | `{_label(e.key, 60)}` | {e.count / steps:.0f} | {e.self_cpu_time_total / 1e3 / steps:.3f} | "
+                     f"{100 * e.self_cpu_time_total / total:.1f} |")
     return "\n".join(lines) + "\n"

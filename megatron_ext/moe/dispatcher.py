@@ -87,15 +87,18 @@ class AllToAllDispatcher:
         source[pair_order] = torch.arange(len(pair_order), device=hidden.device)
         permuted = _GatherTokens.apply(hidden, pair_order, source, top_k)
 
-        tokens_per_expert = mine.sum(0).to(hidden.device)
+        # From the device copy of the counts: a host-to-device copy of ``mine`` would wait for the stream.
+        local_columns = slice(self.ep_rank * num_local, (self.ep_rank + 1) * num_local)
+        tokens_per_expert = counts_per_rank[:, local_columns].sum(0).to(hidden.device)
         expert_order = expert_unsort = None
         if self.ep_size == 1:
             received = permuted  # already grouped by expert
         else:
             received = _all_to_all(permuted, recv_splits, send_splits, self.ep_group)
             # Rows arrive as blocks (source rank r, local expert e); regroup by e, keeping r order.
-            block_expert = torch.arange(num_local).repeat(self.ep_size)
-            row_expert = block_expert.repeat_interleave(mine.reshape(-1)).to(hidden.device)
+            block_expert = torch.arange(num_local, device=hidden.device).repeat(self.ep_size)
+            block_rows = counts_per_rank[:, local_columns].reshape(-1).to(hidden.device)
+            row_expert = block_expert.repeat_interleave(block_rows, output_size=sum(recv_splits))
             expert_order = torch.sort(row_expert, stable=True).indices
             expert_unsort = torch.empty_like(expert_order)
             expert_unsort[expert_order] = torch.arange(len(expert_order), device=expert_order.device)

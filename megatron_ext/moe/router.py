@@ -255,10 +255,11 @@ class TopKRouter(MegatronModule):
             self.step_tokens_per_expert.zero_()
         elif self.balancer in _DUAL_BIAS_BALANCERS:
             histogram = _all_reduced(self.step_residual_histogram, group)
-            if int(histogram.sum()) == 0:  # no training forward this step
-                return
             lo, hi = dual_bias_range(self.expert_bias)
-            self.expert_bias.copy_(dual_bias_update(histogram, lo, hi, self.topk))
+            # A step without a training forward (empty histogram) keeps the bias: decided on the device,
+            # since a host read here waited for the optimizer step, once per MoE layer.
+            updated = dual_bias_update(histogram, lo, hi, self.topk)
+            self.expert_bias.copy_(torch.where(histogram.sum() > 0, updated, self.expert_bias))
             self.step_residual_histogram.zero_()
             self.step_tokens_per_expert.zero_()
 

@@ -148,6 +148,19 @@ def test_qb_bias_update_is_the_dual_bias_quantile_of_the_step_and_balances_load(
     assert max_violation(loads_after) < 0.5 * max_violation(loads_before)
 
 
+def test_qb_bias_update_without_a_training_forward_keeps_the_bias():
+    router = _router(moe_balancer="qb_bias", moe_qb_num_bins=64)
+    router.train()
+    router(torch.randn(64, 16))
+    router.update_expert_bias(group=None)  # a real update: a non-zero, finite bias
+    bias = router.expert_bias.clone()
+    assert bias.abs().sum() > 0 and torch.isfinite(bias).all()
+    router.eval()
+    router(torch.randn(64, 16))  # eval forwards record no residuals
+    router.update_expert_bias(group=None)  # the empty histogram's quantiles are NaN: must be ignored
+    assert torch.equal(router.expert_bias, bias)
+
+
 def test_expert_counts_skip_dropped_pairs():
     experts = torch.tensor([[0, 3], [-1, 3], [2, -1]])
     assert expert_counts(experts, 4).tolist() == [1, 0, 1, 2]
