@@ -2,7 +2,7 @@
 
 Megatron's stock loss (``tensor_parallel.vocab_parallel_cross_entropy``) copies the ``[s, b, V/tp]`` logits
 to fp32 and runs about ten elementwise and reduction kernels over them; ``kernels.cross_entropy`` reads
-them once forward and once backward (docs/kda.md, "Cross-entropy"). :class:`FusedLMLossMixin` swaps it in
+them once forward and once backward (docs/e2e.md). :class:`FusedLMLossMixin` swaps it in
 for ``config.fused_cross_entropy`` and keeps Megatron's contract: labels ``[b, s]`` in, loss ``[b, s]`` fp32
 out, computed in the logits' ``[s, b]`` order, the vocab split over ``pg_collection.tp``. With the field
 off it is Megatron's own method (including its ``cross_entropy_loss_fusion`` options).
