@@ -48,11 +48,11 @@ class _CrossEntropyFunction(torch.autograd.Function):
         if tp_group is not None:
             global_max = row_max.clone()
             dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
-            # Each rank's sum rescaled to the global max: terms <= 1 * s_r, the dominant rank's unchanged.
-            sum_exp = sum_exp * torch.exp(row_max - global_max)
-            dist.all_reduce(sum_exp, group=tp_group)
-            dist.all_reduce(target_logit, group=tp_group)  # only the owning rank's is non-zero
-            row_max = global_max
+            # Each rank's sum rescaled to the global max (a factor <= 1; the rank holding the max keeps its
+            # sum), summed in one all-reduce with the target logit (only the owning rank's is non-zero).
+            sums = torch.stack([sum_exp * torch.exp(row_max - global_max), target_logit])
+            dist.all_reduce(sums, group=tp_group)
+            row_max, sum_exp, target_logit = global_max, sums[0], sums[1]
         lse = row_max + torch.log(sum_exp)
         loss = lse - target_logit
         ctx.save_for_backward(x, t, lse)
