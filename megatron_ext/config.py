@@ -98,6 +98,9 @@ class HybridConfig(TransformerConfig):
     # norm modules and their weights stay as they are (same checkpoint keys); norms other than
     # megatron_ext.layers.norm.RMSNorm run separately.
     attn_res_fuse_norm: bool = True
+    # The LM loss through kernels.cross_entropy (megatron_ext/layers/lm_loss.py): the logits read once
+    # forward and once backward, no fp32 copy of them. False: Megatron's vocab_parallel_cross_entropy.
+    fused_cross_entropy: bool = True
 
     def __post_init__(self):
         self._validate_hybrid()
@@ -135,6 +138,8 @@ class HybridConfig(TransformerConfig):
                 "moe_router_enable_expert_bias is Megatron's own bias update; set "
                 "moe_balancer='sign_bias' (or 'qb_bias') instead"
             )
+        if not isinstance(self.fused_cross_entropy, bool):
+            raise ConfigError(f"fused_cross_entropy={self.fused_cross_entropy!r} must be true or false")
         if self.vocab_size < 2:
             raise ConfigError(f"vocab_size={self.vocab_size} must be >= 2")
         if self.num_moe_experts is not None and self.moe_router_topk > self.num_moe_experts:
@@ -220,6 +225,7 @@ USER_FIELDS = (
     "attn_res_impl",
     "attn_res_inplace_source_grads",
     "attn_res_fuse_norm",
+    "fused_cross_entropy",
     "recompute_granularity",
     "recompute_method",
     "recompute_num_layers",

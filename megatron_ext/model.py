@@ -7,7 +7,8 @@ One function per level, each a plain Megatron ``ModuleSpec`` seam:
 * :func:`layer_spec` - one ``TransformerLayer`` from the two;
 * :func:`decoder_block_spec` - the ``TransformerBlockSubmodules`` of the layers this pipeline
   stage (and virtual stage) builds;
-* :func:`build_model` - the ``GPTModel`` on top (untied embeddings, NoPE).
+* :func:`build_model` - the ``GPTModel`` on top (untied embeddings, NoPE; the LM loss through the fused
+  cross-entropy with ``fused_cross_entropy``, ``megatron_ext.layers.lm_loss``).
 
 Activations are sequence-first ``[s, b, h]`` throughout, as in Megatron-Core; under sequence
 parallelism ``s`` is the local shard between the tensor-parallel regions.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from megatron.core.models.gpt import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -40,6 +40,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron_ext.config import ConfigError, HybridConfig
 from megatron_ext.kda import kda_attention_spec
 from megatron_ext.layers.attention import SDPAttention
+from megatron_ext.layers.lm_loss import HybridGPTModel
 from megatron_ext.layers.norm import RMSNorm
 
 
@@ -116,9 +117,10 @@ def build_model(
     post_process: bool = True,
     vp_stage: int | None = None,
     pg_collection: ProcessGroupCollection | None = None,
-) -> GPTModel:
-    """The hybrid decoder as a Megatron ``GPTModel`` for one (virtual) pipeline stage."""
-    model_class, block_spec = GPTModel, decoder_block_spec(config, vp_stage=vp_stage)
+) -> HybridGPTModel:
+    """The hybrid decoder as a Megatron ``GPTModel`` (:class:`HybridGPTModel`, or its AttnRes subclass) for
+    one (virtual) pipeline stage."""
+    model_class, block_spec = HybridGPTModel, decoder_block_spec(config, vp_stage=vp_stage)
     if config.attn_res:
         from megatron_ext.attn_res import AttnResGPTModel, attn_res_block_spec
 

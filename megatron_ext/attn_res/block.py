@@ -9,7 +9,8 @@ Seams into Megatron-Core:
   stage) or the received pipeline tensor (other stages) into a depth state, runs its layers on
   it (with Megatron-style "full" activation recompute), and returns either the final output
   (last stage: final depth mix, then the final norm) or the packed state for the next stage;
-* :class:`AttnResGPTModel` is Megatron's ``GPTModel`` with that block as ``self.decoder``.
+* :class:`AttnResGPTModel` is Megatron's ``GPTModel`` with that block as ``self.decoder`` (and our LM
+  loss, ``megatron_ext.layers.lm_loss``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from contextlib import nullcontext
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.utils import WrappedTensor, get_pg_rank, make_viewless_tensor
 
+from megatron_ext.layers.lm_loss import HybridGPTModel
 from megatron_ext.attn_res.layer import AttnResTransformerLayer, DepthMixer
 from megatron_ext.attn_res.state import (
     DepthState,
@@ -152,8 +153,9 @@ class AttnResTransformerBlock(TransformerBlock):
         return DepthState.entering(blocks, created[closed] if has_partial else None, self.track, known=state)
 
 
-class AttnResGPTModel(GPTModel):
-    """Megatron's ``GPTModel`` with :class:`AttnResTransformerBlock` as its decoder.
+class AttnResGPTModel(HybridGPTModel):
+    """Megatron's ``GPTModel`` (our :class:`HybridGPTModel`) with :class:`AttnResTransformerBlock` as its
+    decoder.
 
     ``GPTModel.__init__`` builds ``TransformerBlock`` itself; it is given a block spec with no
     layers (so nothing is built twice) and the decoder is then replaced by ours.
