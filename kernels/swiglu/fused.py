@@ -24,7 +24,8 @@ import triton.language as tl
 # Output elements per program (BLOCK_ROWS x BLOCK_F: f = 1024 -> 4 rows forward, 2 backward) and per thread
 # (8: one 16-byte access per bf16 tensor half). Backward reads three tensors and writes two, so its tile is
 # half the forward's. Offline sm_90 compiles (tests/kernels/test_swiglu_compile.py), registers at f = 1024
-# with 16-byte access: forward 31, backward 32 (40 / 47 without alignment, one access per element); no spills.
+# and 96 with 16-byte access: forward 31, backward 32 (without alignment, one access per element: at most 38
+# and 47); no spills.
 FWD_TILE, BWD_TILE = 4096, 2048
 MAX_BLOCK_F = 1024
 ELEMS_PER_THREAD = 8
