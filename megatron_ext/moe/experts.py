@@ -5,13 +5,18 @@ for a gated linear unit, else ``f``) and ``w2 [E_local, f, h]``; its forward tak
 sorted by local expert plus ``tokens_per_expert``. The GEMMs go through ``torch._grouped_mm``
 where this torch supports the device/dtype/shape, else through a per-expert loop with the same
 math. Checkpoints hold the global ``[E, ...]`` tensors, sliced at the rank's EP offset.
+
+The gated SiLU (SwiGLU, the config's ``F.silu``) is ``kernels/swiglu``: one fused Triton pass each way
+on CUDA, the fp32 PyTorch reference on the CPU; other activations run as plain ops.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from kernels.swiglu import swiglu
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.module import MegatronModule
 from megatron_ext.moe.router import init_on_cpu, param_device
@@ -36,6 +41,8 @@ def ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation, gated: 
 
 
 def _activate(h: torch.Tensor, activation, gated: bool) -> torch.Tensor:
+    if gated and activation is F.silu:
+        return swiglu(h)  # fused kernel on CUDA; on the CPU the reference, in fp32
     if gated:
         a, b = h.chunk(2, dim=-1)
         return activation(a) * b

@@ -53,6 +53,23 @@ def test_cpu_grouped_mm_runs_in_fp32_and_bf16(dtype):
     torch.testing.assert_close(out.float(), ref, **tol)
 
 
+def test_gated_silu_goes_through_swiglu_and_other_activations_keep_plain_ops(monkeypatch):
+    from megatron_ext.moe import experts
+
+    h = torch.randn(7, 16)
+    a, b = h.chunk(2, -1)
+    # CPU fp32: the reference, numerically the ops this replaced.
+    assert torch.equal(experts._activate(h, F.silu, True), F.silu(a) * b)
+    calls = []
+    monkeypatch.setattr(experts, "swiglu", lambda t: calls.append(t) or F.silu(t.chunk(2, -1)[0]))
+    experts._activate(h, F.silu, True)
+    ffn(h, torch.randn(16, 16), torch.randn(8, 16), F.silu, True)  # the loop fallback: same path
+    assert len(calls) == 2
+    assert torch.equal(experts._activate(h, F.gelu, True), F.gelu(a) * b)
+    assert torch.equal(experts._activate(h, F.silu, False), F.silu(h))
+    assert len(calls) == 2
+
+
 def test_expert_params_are_marked_for_expert_data_parallel_and_follow_init_std():
     experts = GroupedExperts(moe_config(init_method_std=0.3), 8, None, None, seed=7)
     assert experts.w1.shape == (8, 16, 16) and experts.w2.shape == (8, 8, 16)
