@@ -15,8 +15,6 @@ code paths, not the speed. JSON is written only when ``--out`` is given.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -29,41 +27,11 @@ EPS = 1e-5
 TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default=None, help=f"JSON path (GPU default: {DEFAULT_OUT}; smoke: none)")
-    parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU Triton interpreter")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=50)
-    return parser.parse_args(argv)
-
-
-def make_steps(impl, x, weight, gate, grad_out):
-    """(forward, forward+backward) closures; forward+backward returns (y, dx, dweight[, dgate])."""
-    import torch
-
-    from kernels.rms_norm import gated_rms_norm_reference, rms_norm, rms_norm_reference
-
-    def forward():
-        if impl == "kernel":
-            return rms_norm(x, weight, EPS, gate=gate, use_kernel=True)
-        if gate is None:
-            return rms_norm_reference(x, weight, EPS)
-        return gated_rms_norm_reference(x, weight, EPS, gate)
-
-    inputs = (x, weight) if gate is None else (x, weight, gate)
-
-    def forward_backward():
-        y = forward()
-        return (y, *torch.autograd.grad(y, inputs, grad_out))
-
-    return forward, forward_backward
-
-
 def bench_case(rows, hidden, gated, device, dtype_name, warmup, iters):
     import torch
 
-    from tools.bench_common import local_median_ms
+    from kernels.rms_norm import gated_rms_norm_reference, rms_norm, rms_norm_reference
+    from tools.kernel_bench import measure
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     gen = torch.Generator(device=device).manual_seed(rows + hidden)
@@ -71,70 +39,31 @@ def bench_case(rows, hidden, gated, device, dtype_name, warmup, iters):
     weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=device)).requires_grad_()
     gate = torch.randn(rows, hidden, generator=gen, device=device).to(dtype).requires_grad_() if gated else None
     grad_out = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
-    results = {impl: make_steps(impl, x, weight, gate, grad_out)[1]() for impl in ("kernel", "reference")}
-    errors = {}
-    for i, name in enumerate(("y", "dx", "dweight", "dgate")[: len(results["kernel"])]):
-        ref = results["reference"][i].float()
-        errors[name] = ((results["kernel"][i].float() - ref).abs().max() / ref.abs().max()).item()
-    if max(errors.values()) > TOLERANCE[dtype_name]:
-        raise SystemExit(f"kernel and reference disagree at [{rows}, {hidden}] gated={gated}: {errors}")
-    row = {"rows": rows, "h": hidden, "gated": gated, "dtype": dtype_name, "max_rel_error": errors}
-    cuda = device == "cuda"
-    for impl in ("kernel", "reference"):
-        forward, forward_backward = make_steps(impl, x, weight, gate, grad_out)
-        row[f"{impl}_fwd_ms"] = local_median_ms(forward, warmup, iters, cuda)
-        row[f"{impl}_fwd_bwd_ms"] = local_median_ms(forward_backward, warmup, iters, cuda)
-    row["speedup_fwd"] = row["reference_fwd_ms"] / row["kernel_fwd_ms"]
-    row["speedup_fwd_bwd"] = row["reference_fwd_bwd_ms"] / row["kernel_fwd_bwd_ms"]
+    reference = (lambda: gated_rms_norm_reference(x, weight, EPS, gate)) if gated else \
+        (lambda: rms_norm_reference(x, weight, EPS))
+    forwards = {"kernel": lambda: rms_norm(x, weight, EPS, gate=gate, use_kernel=True), "reference": reference}
+    inputs, names = ((x, weight, gate), ("y", "dx", "dweight", "dgate")) if gated else \
+        ((x, weight), ("y", "dx", "dweight"))
     # Bytes the kernels must move at least: forward reads x (and the gate), writes y; backward reads x, dy
     # (and the gate), writes dx (and dgate).
     tensor_bytes = rows * hidden * x.element_size()
     fwd_tensors, bwd_tensors = (3, 5) if gated else (2, 3)
-    row["kernel_fwd_gb_per_s"] = fwd_tensors * tensor_bytes / (row["kernel_fwd_ms"] * 1e-3) / 1e9
-    fwd_bwd_bytes = (fwd_tensors + bwd_tensors) * tensor_bytes
-    row["kernel_fwd_bwd_gb_per_s"] = fwd_bwd_bytes / (row["kernel_fwd_bwd_ms"] * 1e-3) / 1e9
-    return row
-
-
-def print_table(rows):
-    header = (f"{'rows':>7} {'h':>5} {'gate':>4} | {'kernel fwd':>10} {'ref fwd':>8} {'x':>6} | "
-              f"{'kernel f+b':>10} {'ref f+b':>8} {'x':>6} | {'GB/s fwd':>8} {'f+b':>6}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['rows']:>7} {r['h']:>5} {'yes' if r['gated'] else 'no':>4} | {r['kernel_fwd_ms']:>10.3f} "
-              f"{r['reference_fwd_ms']:>8.3f} {r['speedup_fwd']:>5.1f}x | {r['kernel_fwd_bwd_ms']:>10.3f} "
-              f"{r['reference_fwd_bwd_ms']:>8.3f} {r['speedup_fwd_bwd']:>5.1f}x | "
-              f"{r['kernel_fwd_gb_per_s']:>8.0f} {r['kernel_fwd_bwd_gb_per_s']:>6.0f}")
+    case = {"rows": rows, "h": hidden, "gated": gated, "dtype": dtype_name}
+    return measure(case, forwards, inputs, grad_out, names, TOLERANCE[dtype_name], warmup, iters, device == "cuda",
+                   (fwd_tensors * tensor_bytes, (fwd_tensors + bwd_tensors) * tensor_bytes))
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    if args.smoke:
-        os.environ["TRITON_INTERPRET"] = "1"  # must be set before triton is first imported
-    import torch
+    from tools.kernel_bench import main as kernel_bench_main
 
-    if args.smoke:
-        device, dtype_name, cases, out_path = "cpu", "fp32", SMOKE_CASES, args.out
-        warmup, iters = 0, 1
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("no CUDA device: run on a GPU, or pass --smoke for the CPU interpreter check")
-        device, dtype_name, cases, out_path = "cuda", "bf16", GPU_CASES, args.out or DEFAULT_OUT
-        warmup, iters = args.warmup, args.iters
-    rows = [bench_case(r, h, g, device, dtype_name, warmup, iters) for r, h, g in cases]
-    print_table(rows)
-    if out_path:
-        from tools.bench_common import write_kernel_report
-
-        write_kernel_report(
-            out_path, "kernels.rms_norm.rms_norm (Triton) vs rms_norm_reference / gated_rms_norm_reference (torch ops)",
-            device == "cuda", f"median ms of {iters} (CUDA events)" if device == "cuda" else "median wall ms (smoke)",
-            rows)
+    return kernel_bench_main(
+        argv, description=__doc__.split("\n\n")[0], default_out=DEFAULT_OUT, gpu_cases=GPU_CASES,
+        smoke_cases=SMOKE_CASES, bench_case=bench_case,
+        op="kernels.rms_norm.rms_norm (Triton) vs rms_norm_reference / gated_rms_norm_reference (torch ops)",
+        case_columns=[("rows", 7, lambda r: r["rows"]), ("h", 5, lambda r: r["h"]),
+                      ("gate", 4, lambda r: "yes" if r["gated"] else "no")])
 
 
 if __name__ == "__main__":
-    repo_root = Path(__file__).resolve().parents[1]
-    if str(repo_root) not in sys.path:
-        sys.path.insert(0, str(repo_root))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     main()
