@@ -344,6 +344,11 @@ def main(argv=None):
         return run(args, log=lambda line: print(line, flush=True))
     finally:
         if dist.is_initialized():
+            # Every rank done with the GPU before NCCL is torn down: the EP2 run of 2026-12-01 hung in
+            # teardown after writing its JSON (rank 0 was still printing while rank 1 destroyed the group).
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            dist.barrier()
             dist.destroy_process_group()
 
 
