@@ -24,7 +24,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron_ext import cpu_compat
+from megatron_ext import speed_patches
 from megatron_ext.config import ConfigError, HybridConfig
 from megatron_ext.model import build_model
 
@@ -137,7 +137,7 @@ def wrap_ddp(
 ) -> list[DistributedDataParallel]:
     """Megatron DDP around each chunk; gradients are reduced in fp32. ``fresh_main_grads``: the step's first
     gradients are copied into the buffer instead of a zero fill plus add
-    (:func:`megatron_ext.cpu_compat.use_fresh_main_grads`); ``False`` is Megatron's own behaviour."""
+    (:func:`megatron_ext.speed_patches.use_fresh_main_grads`); ``False`` is Megatron's own behaviour."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=overlap_grad_reduce,
@@ -149,7 +149,7 @@ def wrap_ddp(
     ]
     if fresh_main_grads:
         for ddp in wrapped:
-            cpu_compat.use_fresh_main_grads(ddp)
+            speed_patches.use_fresh_main_grads(ddp)
     # Megatron's schedules call this after the last microbatch: DP/SP/embedding grad reductions.
     config.finalize_model_grads_func = finalize_model_grads
     return wrapped
@@ -171,8 +171,8 @@ def build_optimizer(
 ):
     """Megatron's AdamW (distributed over DP ranks when asked) for the DDP-wrapped chunks. With ``fast_step``
     (default) the mixed-precision optimizer steps with one kernel per tensor (AdamW + clip coefficient +
-    bf16 model copy: :func:`megatron_ext.cpu_compat.use_fused_adamw_step`), others on torch's fused Adam
-    (:func:`use_fused_adam`), with foreach grad norms (:func:`megatron_ext.cpu_compat.scoped_fast_fallbacks`);
+    bf16 model copy: :func:`megatron_ext.speed_patches.use_fused_adamw_step`), others on torch's fused Adam
+    (:func:`use_fused_adam`), with foreach grad norms (:func:`megatron_ext.speed_patches.scoped_fast_fallbacks`);
     ``False`` keeps what Megatron-Core does without TE/Apex."""
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -190,8 +190,8 @@ def build_optimizer(
     optimizer = get_megatron_optimizer(opt_config, chunks)
     if fast_step:
         use_fused_adam(optimizer)
-        cpu_compat.use_fused_adamw_step(optimizer)
-        cpu_compat.scoped_fast_fallbacks(optimizer)
+        speed_patches.use_fused_adamw_step(optimizer)
+        speed_patches.scoped_fast_fallbacks(optimizer)
     return optimizer
 
 

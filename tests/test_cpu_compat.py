@@ -98,7 +98,7 @@ def test_te_general_gemm_reference_is_guarded():
 FAST_FALLBACKS = """
 import os, torch, torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from megatron_ext import cpu_compat
+from megatron_ext import cpu_compat, speed_patches
 assert cpu_compat.install()
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 from megatron.core.optimizer import clip_grads
@@ -128,7 +128,7 @@ def norm_and_ops(grads):
 
 few, many = make(1), make(10)
 stock_few, stock_many = norm_and_ops(few), norm_and_ops(many)
-with cpu_compat.fast_fallbacks():
+with speed_patches.fast_fallbacks():
     fast_few, fast_many = norm_and_ops(few), norm_and_ops(many)
 # Megatron's stand-in launches one norm per tensor (on CUDA each is read back to the host); the foreach
 # one does the same work for 4 or 40 tensors in a fixed number of ops, with one host read (the .item()).
@@ -140,7 +140,7 @@ exact = exact_norm(grads)
 params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
 for p, t in zip(params, grads):
     p.grad = t.clone()
-with cpu_compat.fast_fallbacks():
+with speed_patches.fast_fallbacks():
     clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=exact)
 for p, t in zip(params, grads):
     torch.testing.assert_close(p.grad, t * (1.0 / (exact + 1e-6)))
@@ -149,7 +149,7 @@ assert clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm"  # resto
 class Opt:
     def step(self):
         return clip_grads.l2_norm_impl.__name__
-opt = cpu_compat.scoped_fast_fallbacks(Opt())
+opt = speed_patches.scoped_fast_fallbacks(Opt())
 assert opt.step() == "foreach_l2_norm" and clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm"
 """
 

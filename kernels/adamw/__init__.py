@@ -3,7 +3,7 @@
 Entry point :func:`adamw_step_`: the Triton kernel (``fused.py``) for CUDA tensors, the PyTorch reference
 (``naive.py``) otherwise. Same update as ``torch.optim.AdamW`` (amsgrad and maximize off); the caller
 increments ``step`` first (torch's fused AdamW keeps it as an fp32 device scalar). Used by
-:func:`megatron_ext.cpu_compat.fused_adamw_step` inside Megatron's mixed-precision optimizer.
+:func:`megatron_ext.speed_patches.use_fused_adamw_step` inside Megatron's mixed-precision optimizer.
 """
 
 import torch

@@ -9,7 +9,7 @@ from tests._dist import free_port
 
 SCRIPT = """
 import torch, torch.distributed as dist
-from megatron_ext import cpu_compat
+from megatron_ext import cpu_compat, speed_patches
 assert cpu_compat.install()
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 from megatron.core import parallel_state as ps
@@ -30,7 +30,7 @@ def run(fresh):
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), Toy())
     if fresh:
-        assert cpu_compat.use_fresh_main_grads(ddp)
+        assert speed_patches.use_fresh_main_grads(ddp)
     gen = torch.Generator().manual_seed(1)
     grads = []
     for step, use_c in enumerate((True, False, True)):  # c gets no gradient in the middle step

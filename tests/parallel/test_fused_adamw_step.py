@@ -8,7 +8,7 @@ from tests._dist import free_port
 
 SCRIPT = """
 import torch, torch.distributed as dist
-from megatron_ext import cpu_compat
+from megatron_ext import cpu_compat, speed_patches
 assert cpu_compat.install()
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 from megatron.core import parallel_state as ps
@@ -28,8 +28,8 @@ def build(fused, clip):
     config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, clip_grad=clip, params_dtype=torch.float32)
     opt = Float16OptimizerWithFloat16Params(inner, config, None, lambda *a, **k: None)
     if fused:
-        assert cpu_compat.use_fused_adamw_step(opt) == 1
-        cpu_compat.scoped_fast_fallbacks(opt)
+        assert speed_patches.use_fused_adamw_step(opt) == 1
+        speed_patches.scoped_fast_fallbacks(opt)
     return bf16 + [fp32], opt
 
 def train(fused, clip):
@@ -60,7 +60,7 @@ for group in opt.optimizer.param_groups:
     for p in group["params"]:
         assert float(opt.optimizer.state[p]["step"]) == len(GRAD_SCALES)
 try:
-    cpu_compat.use_fused_adamw_step(opt)
+    speed_patches.use_fused_adamw_step(opt)
     raise SystemExit("switching after a step must fail")
 except ValueError as err:
     assert "before the optimizer's first step" in str(err)

@@ -1,0 +1,216 @@
+"""The GPU-speed patches to Megatron-Core we opt into (the CPU ones are ``megatron_ext/cpu_compat.py``).
+
+Opted into, not installed: :func:`scoped_fast_fallbacks` wraps *our* optimizer's ``step``
+(``megatron_ext.parallel.build_optimizer``) so that, inside it only, Megatron's no-Apex stand-ins for Apex's
+multi-tensor kernels are replaced by torch's foreach ops: ``local_multi_tensor_l2_norm`` (per-tensor norms
+gathered with ``torch.tensor(list)``: one host sync per parameter tensor) and ``local_multi_tensor_scale``
+(``dst.copy_(src * scale)``: an fp32 temporary per tensor when clipping). Same values
+(``tests/test_cpu_compat.py``); stock Megatron optimizers built elsewhere in the process keep Megatron's own
+path; with Apex or Transformer Engine present it does nothing.
+
+:func:`use_fused_adamw_step` goes further for Megatron's mixed-precision (non-distributed) optimizer: its
+``step_with_ready_grads`` runs ``kernels.adamw`` (one pass per tensor: AdamW, the clip coefficient and the
+fp32-to-bf16 model copy; Megatron makes three), and inside the scoped step Megatron's
+``clip_grad_by_total_norm_fp32`` hands those optimizers' coefficient to that kernel instead of scaling the
+gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested).
+
+:func:`use_fresh_main_grads` changes Megatron DDP's gradient buffer for the first backward of a step: the
+first gradient of each parameter is copied into ``main_grad`` (6 bytes per parameter for a bf16 gradient)
+instead of zero-filling the whole buffer and adding into it (14); later micro-batches add as before, and a
+parameter that got no gradient is zeroed before the grads are reduced (tested: identical grads).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+
+import torch
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Megatron's ``l2_norm_impl`` contract: ``([1] fp32 total L2 norm, None)``; no host sync."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)])
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """Megatron's ``multi_tensor_scale_impl`` contract: ``dst = src * scale``; in place when ``dst is src``."""
+    src, dst = tensor_lists
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+# id -> main param of the optimizers on the fused AdamW step (weak: models built and freed in one process,
+# as the benchmarks do, must not stay alive through this table)
+_fused_main_params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_pending_clip: dict[int, float] = {}  # id(main param) -> clip coefficient of the step under way
+
+
+def _clip_into_fused_step(original):
+    """Megatron's ``clip_grad_by_total_norm_fp32`` with the fused optimizers' parameters left unscaled: their
+    coefficient (Megatron's ``max_norm / (total_norm + 1e-6)``, applied when below 1) goes to the AdamW
+    kernel as its gradient scale."""
+
+    def clip(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not use_decoupled_grad:
+            coeff = min(float(max_norm) / (float(total_norm) + 1.0e-6), 1.0)
+            others = []
+            for p in params:
+                if _fused_main_params.get(id(p)) is p:
+                    _pending_clip[id(p)] = coeff
+                else:
+                    others.append(p)
+            params = others
+        if params:
+            original(params, max_norm, total_norm, use_decoupled_grad=use_decoupled_grad)
+
+    return clip
+
+
+def use_fused_adamw_step(optimizer) -> int:
+    """Put every ``Float16OptimizerWithFloat16Params`` (Megatron's mixed-precision, non-distributed optimizer)
+    over a torch ``AdamW`` (no amsgrad/maximize) inside ``optimizer`` (chained or not) on the fused step of
+    ``kernels.adamw``; the others keep theirs. Must run before the first step; returns how many switched.
+    The optimizer state stays torch's (``step``, ``exp_avg``, ``exp_avg_sq`` per main param), so
+    checkpoints are unchanged. Takes effect with :func:`scoped_fast_fallbacks` around ``step``."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    switched = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if type(opt) is not Float16OptimizerWithFloat16Params or getattr(opt, "is_stub_optimizer", False):
+            continue
+        if type(inner) is not torch.optim.AdamW or any(g["amsgrad"] or g["maximize"] for g in inner.param_groups):
+            continue
+        if inner.state:
+            raise ValueError("use_fused_adamw_step must run before the optimizer's first step")
+        model_of = {id(main): model for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+                    for model, main in zip(models, mains)}
+        for group in inner.param_groups:
+            _fused_main_params.update({id(p): p for p in group["params"]})
+        opt.step_with_ready_grads = lambda opt=opt, model_of=model_of: _fused_adamw_step(opt, model_of)
+        switched += 1
+    return switched
+
+
+@torch.no_grad()
+def _fused_adamw_step(opt, model_of: dict) -> bool:
+    """Megatron's ``step_with_ready_grads`` (inner step, then main -> model copy) as one kernel per tensor."""
+    from kernels.adamw import adamw_step_
+
+    inner = opt.optimizer
+    for group in inner.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        states = [inner.state[p] for p in params]
+        for p, state in zip(params, states):  # torch's lazy init (fused: fp32 step on the device)
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            elif state["step"].device != p.device or state["step"].dtype != torch.float32:
+                state["step"] = state["step"].to(p.device, torch.float32)  # e.g. loaded by a non-fused optimizer
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key not in state:
+                    state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if params:
+            torch._foreach_add_([s["step"] for s in states], 1.0)
+        beta1, beta2 = group["betas"]
+        for p, state in zip(params, states):
+            adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], model_of.get(id(p)),
+                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                        weight_decay=group["weight_decay"], grad_scale=_pending_clip.pop(id(p), 1.0))
+    return True
+
+
+def use_fresh_main_grads(ddp) -> bool:
+    """Megatron ``DistributedDataParallel``: skip the buffer's zero fill in ``zero_grad_buffer``; instead each
+    parameter's first gradient of the step is copied into its ``main_grad`` by a tensor hook (it runs before
+    autograd's accumulation and DDP's post-hook, which then skips its add through Megatron's own
+    ``grad_added_to_main_grad`` flag). Later gradients of the step (micro-batches, re-entrant recompute) are
+    added by DDP as usual; ``finish_grad_sync`` first zeroes any parameter that got none. The buffer's
+    padding is never written, so it stays zero from allocation. Returns False (nothing changed) under
+    Transformer Engine CUDA graphs, whose captured hooks own that flag."""
+    if getattr(ddp.config, "cuda_graph_impl", "none") == "transformer_engine" or getattr(
+            ddp.ddp_config, "reuse_grad_buf_for_mxfp8_param_ag", False):
+        return False  # CUDA graphs own the flag; mxfp8 reuses the grad buffer for param gathers
+    params = [p for p in ddp.params_with_grad if p in ddp.param_to_bucket_group]
+    for p in params:
+        p._main_grad_fresh, p._main_grad_copied = False, False
+        p.register_hook(functools.partial(_first_grad_into_main_grad, p))
+    finish_grad_sync = ddp.finish_grad_sync
+
+    def zero_grad_buffer_without_fill():
+        # Megatron 0.19.2's zero_grad_buffer minus the buffers' grad_data.zero_().
+        for p in ddp.params_with_grad:
+            p.grad_added_to_main_grad = False
+        for p in params:
+            p._main_grad_fresh, p._main_grad_copied = True, False
+        for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+            for grad in buffer.extra_main_grads:
+                grad.zero_()
+        for bucket_group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+            bucket_group.reset()
+
+    def finish_grad_sync_after_zeroing_unused(*args, **kwargs):
+        for p in params:
+            if p._main_grad_fresh:  # no gradient this step: Megatron's zero fill, for this one
+                p.main_grad.zero_()
+                p._main_grad_fresh = False
+        return finish_grad_sync(*args, **kwargs)
+
+    ddp.zero_grad_buffer = zero_grad_buffer_without_fill
+    ddp.finish_grad_sync = finish_grad_sync_after_zeroing_unused
+    return True
+
+
+@torch.no_grad()
+def _first_grad_into_main_grad(param, grad):
+    if param._main_grad_fresh:
+        from kernels.cast_copy import widening_copy_
+
+        widening_copy_(param.main_grad, grad)
+        param._main_grad_fresh, param._main_grad_copied = False, True
+        param.grad_added_to_main_grad = True  # DDP's post-hook: already in main_grad
+    elif param._main_grad_copied:
+        param._main_grad_copied = False
+        param.grad_added_to_main_grad = False  # the next gradients: DDP adds them
+
+
+@contextlib.contextmanager
+def fast_fallbacks():
+    """Inside: Megatron's clip_grads module uses :func:`foreach_l2_norm` / :func:`foreach_scale` in place of
+    its no-Apex stand-ins (left alone when Apex or Transformer Engine supplies the real kernels)."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    _pending_clip.clear()  # a step that returned early (inf/nan) leaves nothing behind
+    saved_clip = mcore_optimizer.clip_grad_by_total_norm_fp32
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_into_fused_step(saved_clip)
+    no_apex = clip_grads.l2_norm_impl is mcore_utils.local_multi_tensor_l2_norm
+    saved = clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl
+    if no_apex:
+        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = foreach_l2_norm, foreach_scale
+    try:
+        yield
+    finally:
+        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = saved
+        mcore_optimizer.clip_grad_by_total_norm_fp32 = saved_clip
+
+
+def scoped_fast_fallbacks(optimizer):
+    """Run ``optimizer.step`` (a Megatron optimizer instance) inside :func:`fast_fallbacks`."""
+    step = optimizer.step
+
+    def step_with_fast_fallbacks(*args, **kwargs):
+        with fast_fallbacks():
+            return step(*args, **kwargs)
+
+    optimizer.step = step_with_fast_fallbacks
+    return optimizer
