@@ -135,9 +135,11 @@ def test_kernel_matches_reference_for_other_tile_sizes(monkeypatch, forward_tile
 
 @interpreter_case
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_source_grads_summed_in_place_equal_autograd_sums(impl):
+@pytest.mark.parametrize("fused_norm", [False, True])
+def test_source_grads_summed_in_place_equal_autograd_sums(impl, fused_norm):
     # Sources read by several calls (as the embedding and block sums are), plus one ordinary
-    # autograd consumer: tracked sources get the same grads as plain autograd gives.
+    # autograd consumer: tracked sources get the same grads as plain autograd gives, with and without
+    # the sublayer norm fused into the mix (whose weight's grad must not change either).
     from kernels.attn_res import track_source_grad
 
     gen = torch.Generator().manual_seed(5)
@@ -145,7 +147,9 @@ def test_source_grads_summed_in_place_equal_autograd_sums(impl):
     leaves = [(torch.randn(tokens, hidden, generator=gen) * (1 + i)).requires_grad_(True) for i in range(4)]
     queries = [torch.randn(hidden, generator=gen) * 0.5 for _ in range(4)]
     gamma = 1 + 0.3 * torch.randn(hidden, generator=gen)
+    out_gamma = (1 + 0.3 * torch.randn(hidden, generator=gen)).requires_grad_(True) if fused_norm else None
     weights = torch.randn(tokens, hidden, generator=gen)
+    wrt = [*leaves, out_gamma] if fused_norm else leaves
 
     def loss(track):
         sources = [t * 1.0 for t in leaves]
@@ -154,15 +158,16 @@ def test_source_grads_summed_in_place_equal_autograd_sums(impl):
             sources, grads = map(list, zip(*(track_source_grad(t) for t in sources)))
         total = 0
         for k, w in enumerate(queries):
-            out = depth_attention(sources[: k + 1], w, gamma, impl=impl, source_grads=grads[: k + 1])
+            out = depth_attention(sources[: k + 1], w, gamma, impl=impl, source_grads=grads[: k + 1],
+                                  out_norm_weight=out_gamma)
             total = total + (out * weights).sum() ** 2 / 100
         return total + (sources[0] * sources[2]).sum()  # a consumer outside depth attention
 
-    expected = torch.autograd.grad(loss(False), leaves)
+    expected = torch.autograd.grad(loss(False), wrt)
     tracked_loss = loss(True)
-    got = torch.autograd.grad(tracked_loss, leaves, retain_graph=True)
+    got = torch.autograd.grad(tracked_loss, wrt, retain_graph=True)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    again = torch.autograd.grad(tracked_loss, leaves)  # a second backward starts from zero again
+    again = torch.autograd.grad(tracked_loss, wrt)  # a second backward starts from zero again
     for a, b in zip(again, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

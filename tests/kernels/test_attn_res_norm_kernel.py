@@ -10,7 +10,7 @@ tokens (not a multiple of any tile). The cases run in a ``TRITON_INTERPRET=1`` s
 import pytest
 import torch
 
-from kernels.attn_res import depth_attention, depth_attention_norm_reference, track_source_grad
+from kernels.attn_res import depth_attention, depth_attention_norm_reference
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -141,33 +141,3 @@ def test_fused_norm_saves_inputs_output_lse_rstd_and_is_deterministic():
     second = torch.autograd.grad(normed, leaves, grad)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
-
-
-@interpreter_case
-@pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_fused_norm_with_source_grads_summed_in_place(impl):
-    # Several fused calls reading the same sources, tracked and untracked: the same grads.
-    gen = torch.Generator().manual_seed(5)
-    tokens, hidden = 21, 48
-    leaves = [(torch.randn(tokens, hidden, generator=gen) * (1 + i)).requires_grad_(True) for i in range(4)]
-    queries = [torch.randn(hidden, generator=gen) * 0.5 for _ in range(4)]
-    gamma = 1 + 0.3 * torch.randn(hidden, generator=gen)
-    out_gamma = (1 + 0.3 * torch.randn(hidden, generator=gen)).requires_grad_(True)
-    weights = torch.randn(tokens, hidden, generator=gen)
-
-    def loss(track):
-        sources = [t * 1.0 for t in leaves]
-        grads = [None] * len(sources)
-        if track:
-            sources, grads = map(list, zip(*(track_source_grad(t) for t in sources)))
-        total = 0
-        for k, w in enumerate(queries):
-            out = depth_attention(sources[: k + 1], w, gamma, impl=impl, source_grads=grads[: k + 1],
-                                  out_norm_weight=out_gamma)
-            total = total + (out * weights).sum() ** 2 / 100
-        return total + (sources[0] * sources[2]).sum()
-
-    expected = torch.autograd.grad(loss(False), [*leaves, out_gamma])
-    got = torch.autograd.grad(loss(True), [*leaves, out_gamma])
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
