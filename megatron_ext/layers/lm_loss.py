@@ -31,7 +31,7 @@ class FusedLMLossMixin:
         vocab_start, _ = VocabUtility.vocab_range_from_per_partition_vocab_size(logits.shape[-1], rank, tp)
         # The logits are the output layer's fresh output, read by nothing after the loss: backward writes
         # their gradient into them.
-        loss = cross_entropy(logits, labels, tp_group=tp_group if tp > 1 else None, vocab_start=vocab_start,
+        loss = cross_entropy(logits, labels, tp_group=tp_group, vocab_start=vocab_start,
                              inplace_backward=True)
         return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
 
