@@ -168,6 +168,7 @@ class OpCounter(TorchDispatchMode):
         self.phase = "forward"
         self.counts: collections.Counter = collections.Counter()  # (phase, module, fn, cpu_ref, view) -> n
         self.ops: collections.Counter = collections.Counter()  # aten op name -> n
+        self.ops_by_fn: collections.Counter = collections.Counter()  # (phase, fn, aten op) -> n, views left out
         self.syncs = 0
         self._lock = threading.Lock()
 
@@ -191,6 +192,8 @@ class OpCounter(TorchDispatchMode):
         with self._lock:  # autograd may run backward nodes on another thread
             self.counts[(phase, module, fn, ref, view)] += 1
             self.ops[str(func.overloadpacket.__name__)] += 1
+            if not view:
+                self.ops_by_fn[(phase, fn, str(func.overloadpacket.__name__))] += 1
             if func.overloadpacket is torch.ops.aten._local_scalar_dense:
                 self.syncs += 1
         return out
@@ -314,6 +317,8 @@ def main(argv=None) -> dict:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default=None, help="also write totals and every row here")
+    p.add_argument("--ops-of", default=None, metavar="TEXT",
+                   help="also list the aten ops (views left out) of functions whose name contains TEXT")
     args = p.parse_args(argv)
     import torch.distributed as dist
 
@@ -327,6 +332,11 @@ def main(argv=None) -> dict:
     print(format_table(rows, total, args.top))
     top_ops = ", ".join(f"{k} {v}" for k, v in counter.ops.most_common(15))
     print(f"most frequent aten ops (views included): {top_ops}")
+    if args.ops_of:
+        print(f"aten ops of functions matching {args.ops_of!r} (phase, function, op: count):")
+        for (phase, fn, op), n in sorted(counter.ops_by_fn.items()):
+            if args.ops_of in fn:
+                print(f"  {phase:<10} {fn:<70} {op:<24} {n}")
     result = {"variant": args.variant, "by": args.by, "total": total,
               "rows": [{**r, "phases": dict(r["phases"])} for r in rows], "aten": dict(counter.ops)}
     if args.json:
