@@ -170,8 +170,11 @@ class KDAAttention(TPShardedModule):
         k = self._heads(self.k_conv(self.k_proj(hidden_states)[0]))
         v = self._heads(self.v_conv(self.v_proj(hidden_states)[0]))
         f = self._heads(self.f_proj(hidden_states).transpose(0, 1))
-        beta = torch.sigmoid(self.b_proj(hidden_states)[0].float()).to(q.dtype).transpose(0, 1)
-        o = kda_core(q, k, v, f, beta.contiguous(), self.A_log, self.dt_bias, self.lower_bound)
+        # fp32 sigmoid, then the cast to q's dtype and the [b, s] layout in one copy (.to returns
+        # its input when the dtype already matches: .contiguous() then makes the copy).
+        beta = torch.sigmoid(self.b_proj(hidden_states)[0].float()).transpose(0, 1).to(
+            q.dtype, memory_format=torch.contiguous_format).contiguous()
+        o = kda_core(q, k, v, f, beta, self.A_log, self.dt_bias, self.lower_bound)
         gate = self._heads(self.g_proj(hidden_states).transpose(0, 1))
         o = self._gated_norm(o, gate)  # [b, s, H_l, V]
         o = o.flatten(2).transpose(0, 1)  # [s, b, H_l*V]

@@ -81,7 +81,8 @@ class AllToAllDispatcher:
         recv_splits = mine.sum(1).tolist()
 
         flat_experts = routing.experts.reshape(-1)
-        sort_key = flat_experts.where(flat_experts >= 0, self.num_experts)  # dropped pairs last
+        # Dropped pairs last (the plain top-k has none).
+        sort_key = flat_experts if routing.plain else flat_experts.where(flat_experts >= 0, self.num_experts)
         pair_order = torch.sort(sort_key, stable=True).indices[:sum(send_splits)]
         source = torch.full((num_tokens * top_k,), len(pair_order), dtype=torch.long, device=hidden.device)
         source[pair_order] = torch.arange(len(pair_order), device=hidden.device)

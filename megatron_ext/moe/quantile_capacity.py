@@ -86,10 +86,10 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     if group is not None and dist.get_world_size(group) == 1:
         group = None  # a one-rank collective is an identity that still costs a launch and a sync
     with torch.no_grad():  # only the gates below are differentiable
-        experts, dropped, rerouted, global_load, rounds = _route(
+        experts, dropped, rerouted, global_load, rounds, plain = _route(
             scores.detach(), k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds)
-    return Routing(experts, gates_from_scores(scores, experts, renormalize), dropped, rerouted,
-                   global_load=global_load, rounds=rounds)
+    return Routing(experts, gates_from_scores(scores, experts, renormalize, all_kept=plain), dropped, rerouted,
+                   global_load=global_load, rounds=rounds, plain=plain)
 
 
 def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds):
@@ -112,9 +112,9 @@ def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds
     capacity = expert_capacity(num_global, k, num_experts, capacity_factor)
     zeros = torch.zeros(2, dtype=torch.int64, device=scores.device)
     if sum(host_demand) == 0:  # no tokens anywhere: no round ran
-        return top_k, zeros[0], zeros[1], demand, 0
+        return top_k, zeros[0], zeros[1], demand, 0, True
     if max(host_demand) <= capacity:  # nobody over-subscribed: plain top-k
-        return top_k, zeros[0], zeros[1], demand, 1
+        return top_k, zeros[0], zeros[1], demand, 1, True
 
     room = torch.full_like(demand, capacity)
     # The top-k proposals sit at columns top_k: dense [N, E] views only where token order matters.
@@ -123,7 +123,7 @@ def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds
     room = room - demand.minimum(room)
     experts = top_k.where(accepted, -1)
     if max_rounds == 1:
-        return _finish(experts, capacity, room, 1)
+        return *_finish(experts, capacity, room, 1), False
     # Only tokens refused in round 1 can gain anything later (the others hold k experts, and
     # room never grows back): gather them once.
     rows = (~accepted).any(dim=1).nonzero().squeeze(1)
@@ -135,7 +135,7 @@ def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds
     experts[rows] = order.where(torch.arange(k, device=order.device) < num_held, -1)
     in_top_k = torch.zeros_like(held).scatter_(1, top_k[rows], True)
     rerouted = (held & ~in_top_k).sum()
-    return experts, free.sum(), rerouted, capacity - room, 1 + rounds
+    return experts, free.sum(), rerouted, capacity - room, 1 + rounds, False
 
 
 def _finish(experts, capacity, room, rounds):

@@ -26,6 +26,9 @@ class Routing:
     global_load: ``[E]`` int64 kept pairs per expert summed over the routing group, where the
               routing function got it for free (capacity mode); None otherwise.
     rounds:   proposal rounds run (capacity mode; the cost driver); None otherwise.
+    plain:    known on the host: ``experts`` is the plain top-k (no ``-1``; ``dropped`` and
+              ``rerouted`` are 0), so consumers may skip the work for dropped pairs. False when
+              unknown.
     """
 
     experts: torch.Tensor
@@ -34,6 +37,7 @@ class Routing:
     rerouted: torch.Tensor
     global_load: torch.Tensor | None = None
     rounds: int | None = None
+    plain: bool = False
 
     def __post_init__(self):
         if self.experts.dtype != torch.int64 or self.experts.dim() != 2:
@@ -68,11 +72,16 @@ def check_scores(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None)
             raise ValueError(f"bias must be on the scores' device {scores.device}, got {bias.device}")
 
 
-def gates_from_scores(scores: torch.Tensor, experts: torch.Tensor, renormalize: bool = True) -> torch.Tensor:
+def gates_from_scores(scores: torch.Tensor, experts: torch.Tensor, renormalize: bool = True,
+                      all_kept: bool = False) -> torch.Tensor:
     """Unbiased scores of ``experts`` (``-1`` = dropped gives 0), optionally renormalised over
-    the kept experts of each token (the sigmoid-router convention; softmax routers opt out)."""
-    kept = experts >= 0
-    gates = scores.gather(1, experts.clamp(min=0)) * kept
+    the kept experts of each token (the sigmoid-router convention; softmax routers opt out).
+    ``all_kept``: the caller knows there is no ``-1`` (the masking, an identity then, is skipped)."""
+    if all_kept:
+        gates = scores.gather(1, experts)
+    else:
+        kept = experts >= 0
+        gates = scores.gather(1, experts.clamp(min=0)) * kept
     if renormalize:
         # A token with every slot dropped keeps all-zero gates instead of 0/0.
         gates = gates / gates.sum(dim=1, keepdim=True).clamp(min=torch.finfo(gates.dtype).tiny)
@@ -91,5 +100,6 @@ def topk_routing(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
     """
     check_scores(scores, k, bias)
     experts = biased_scores(scores, bias).topk(k, dim=1).indices
-    zero = torch.zeros((), dtype=torch.int64, device=scores.device)
-    return Routing(experts, gates_from_scores(scores, experts, renormalize), zero, zero.clone())
+    zeros = torch.zeros(2, dtype=torch.int64, device=scores.device)
+    return Routing(experts, gates_from_scores(scores, experts, renormalize, all_kept=True), zeros[0], zeros[1],
+                   plain=True)

@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
-from megatron_ext.moe.quantile import (Routing, capacity_routing, dual_bias_histogram, dual_bias_range,
-                                       dual_bias_update, topk_routing)
+from megatron_ext.moe.quantile import Routing, capacity_routing, dual_bias_histogram, dual_bias_range, topk_routing
+from megatron_ext.moe.quantile_dual_bias import dual_bias_updates
 from megatron_ext.moe.quantile_histogram import flat_counts
 
 __all__ = ["TopKRouter", "AuxLossInjector", "BALANCERS", "expert_counts", "init_on_cpu", "param_device",
@@ -41,9 +41,12 @@ _CAPACITY_BALANCERS = ("qb_capacity", "qb_both")
 _DUAL_BIAS_BALANCERS = ("qb_bias", "qb_both")
 
 
-def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """int64 ``[E]`` number of kept (token, slot) pairs per expert; ``-1`` (dropped) is ignored."""
+def expert_counts(experts: torch.Tensor, num_experts: int, all_kept: bool = False) -> torch.Tensor:
+    """int64 ``[E]`` number of kept (token, slot) pairs per expert; ``-1`` (dropped) is ignored.
+    ``all_kept``: the caller knows there is no ``-1`` (two kernels fewer)."""
     flat = experts.reshape(-1)
+    if all_kept:
+        return flat_counts(flat, num_experts)
     # Dropped pairs go to an overflow bin that is cut off (no boolean-mask host sync), and
     # index_add_ rather than bincount, which reads its max back to the host on CUDA.
     return flat_counts(flat.where(flat >= 0, num_experts), num_experts + 1)[:num_experts]
@@ -157,7 +160,8 @@ class TopKRouter(MegatronModule):
         self.register_buffer("step_residual_histogram", histogram, persistent=False)
         # Statistics of the last forward, for metrics (detached).
         self.local_tokens_per_expert: torch.Tensor | None = None
-        self.global_tokens_per_expert: torch.Tensor | None = None
+        self._counts_per_rank: torch.Tensor | None = None  # global_tokens_per_expert, summed when read
+        self._dual_range: tuple | None = None  # (bias, its version, lo, hi, num_bins / (hi - lo))
         self.last_aux_loss: torch.Tensor | None = None
         self.last_dropped: torch.Tensor | None = None
         self.last_rerouted: torch.Tensor | None = None
@@ -199,21 +203,33 @@ class TopKRouter(MegatronModule):
             routing = topk_routing(scores, self.topk, self.expert_bias, renormalize=renormalize)
         if self.config.moe_router_topk_scaling_factor is not None:
             routing.gates = routing.gates * self.config.moe_router_topk_scaling_factor
-        counts = expert_counts(routing.experts, self.num_experts)
+        counts = expert_counts(routing.experts, self.num_experts, all_kept=routing.plain)
 
         if self.balancer == "aux_loss" and counting:
             aux_loss = self.aux_loss(scores, counts)
             routing.gates = AuxLossInjector.apply(routing.gates, aux_loss)
             self.last_aux_loss = aux_loss.detach()
-        if self.step_tokens_per_expert is not None and counting:
+        if self.balancer == "sign_bias" and counting:  # the only update that reads the loads
             self.step_tokens_per_expert += counts.float()
         if self.step_residual_histogram is not None and counting:
-            lo, hi = dual_bias_range(self.expert_bias)  # fixed for the step: the bias moves only at updates
+            lo, hi, scale = self.dual_bias_range()  # fixed for the step: the bias moves only at updates
             self.step_residual_histogram += dual_bias_histogram(scores.detach(), self.expert_bias, self.topk,
-                                                                lo, hi, self.num_bins)
+                                                                lo, hi, self.num_bins, scale)
 
         self.record_statistics(routing, counts, counting)
         return routing, counts
+
+    def dual_bias_range(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``dual_bias_range(expert_bias)`` and ``num_bins / (hi - lo)``, computed once per value of
+        the bias: kept until the bias is replaced or changed in place (its version counter moves
+        on every in-place write: the update's copy, ``load_state_dict``, ``.copy_``). A write
+        through ``expert_bias.data`` does not move it; nothing here writes that way."""
+        bias = self.expert_bias
+        cached = self._dual_range
+        if cached is None or cached[0] is not bias or cached[1] != bias._version:
+            lo, hi = dual_bias_range(bias)
+            cached = self._dual_range = (bias, bias._version, lo, hi, self.num_bins / (hi - lo))
+        return cached[2:]
 
     def record_statistics(self, routing: Routing, counts: torch.Tensor, counting: bool) -> None:
         """Keep the last forward's statistics and, for a counted training forward (once per
@@ -222,8 +238,9 @@ class TopKRouter(MegatronModule):
         self.last_dropped, self.last_rerouted = routing.dropped, routing.rerouted
         if counting:
             self.step_routed_counts += counts.detach()
-            self.step_dropped_rerouted += torch.stack([routing.dropped, routing.rerouted]).to(
-                self.step_dropped_rerouted.device)
+            if not routing.plain:  # plain top-k drops and reroutes nothing: adding zeros is skipped
+                self.step_dropped_rerouted += torch.stack([routing.dropped, routing.rerouted]).to(
+                    self.step_dropped_rerouted.device)
 
     def reset_step_statistics(self) -> None:
         self.step_routed_counts.zero_()
@@ -239,8 +256,14 @@ class TopKRouter(MegatronModule):
         return self.config.moe_aux_loss_coeff * self.num_experts * (load_share * mean_prob).sum()
 
     def record_global_counts(self, counts_per_rank: torch.Tensor) -> None:
-        """Keep ``[E]`` tokens per expert summed over the EP group (from the dispatcher)."""
-        self.global_tokens_per_expert = counts_per_rank.sum(dim=0).detach()
+        """Keep ``[P, E]`` counts per EP rank (from the dispatcher) for
+        :attr:`global_tokens_per_expert`, summed only when read (the step does not read it)."""
+        self._counts_per_rank = counts_per_rank.detach()
+
+    @property
+    def global_tokens_per_expert(self) -> torch.Tensor | None:
+        """``[E]`` tokens per expert of the last forward, summed over the EP group."""
+        return None if self._counts_per_rank is None else self._counts_per_rank.sum(dim=0)
 
     @torch.no_grad()
     def update_expert_bias(self, group: dist.ProcessGroup | None = None) -> None:
@@ -254,14 +277,7 @@ class TopKRouter(MegatronModule):
             self.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(loads.mean() - loads)
             self.step_tokens_per_expert.zero_()
         elif self.balancer in _DUAL_BIAS_BALANCERS:
-            histogram = _all_reduced(self.step_residual_histogram, group)
-            lo, hi = dual_bias_range(self.expert_bias)
-            # A step without a training forward (empty histogram) keeps the bias: decided on the device,
-            # since a host read here waited for the optimizer step, once per MoE layer.
-            updated = dual_bias_update(histogram, lo, hi, self.topk)
-            self.expert_bias.copy_(torch.where(histogram.sum() > 0, updated, self.expert_bias))
-            self.step_residual_histogram.zero_()
-            self.step_tokens_per_expert.zero_()
+            _update_dual_biases([self], group)
 
 
 def _all_reduced(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -271,11 +287,37 @@ def _all_reduced(tensor: torch.Tensor, group) -> torch.Tensor:
     return total
 
 
+@torch.no_grad()
+def _update_dual_biases(routers: list[TopKRouter], group) -> None:
+    """The dual-bias update of several routers (same experts, bins, top-k and device) at once: one
+    all-reduce of their stacked histograms and one batched quantile computation
+    (:func:`~megatron_ext.moe.quantile_dual_bias.dual_bias_updates`); each bias ends exactly where its
+    own update would put it. A step without a training forward (empty histogram) keeps the bias: decided
+    on the device, since a host read here would wait for the optimizer step."""
+    histograms = [r.step_residual_histogram for r in routers]
+    biases = [r.expert_bias for r in routers]
+    counts = torch.stack(histograms)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    updated = dual_bias_updates(counts, torch.stack(biases), routers[0].topk)
+    torch._foreach_copy_(biases, list(updated.unbind(0)))
+    torch._foreach_zero_(histograms)
+
+
 def update_expert_biases(model_chunks, group: dist.ProcessGroup | None = None) -> None:
     """Call :meth:`TopKRouter.update_expert_bias` on every router in ``model_chunks`` (a module
-    or a list of them), once per optimizer step, in the same order on every rank."""
+    or a list of them), once per optimizer step, in the same order on every rank. Dual-bias routers
+    of the same shape are updated together (one all-reduce and one batched update for all layers,
+    instead of ~55 kernels and an all-reduce per layer), with the same result."""
     chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    batches: dict[tuple, list[TopKRouter]] = {}
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, TopKRouter) and module.training:
-                module.update_expert_bias(group)
+                if module.balancer in _DUAL_BIAS_BALANCERS:
+                    key = (module.num_experts, module.num_bins, module.topk, module.expert_bias.device)
+                    batches.setdefault(key, []).append(module)
+                else:
+                    module.update_expert_bias(group)
+    for routers in batches.values():  # dict order: first appearance, the same on every rank
+        _update_dual_biases(routers, group)

@@ -92,3 +92,20 @@ def test_dual_bias_rejects_k_equal_to_num_experts():
         dual_bias_histogram(torch.rand(4, 4), torch.zeros(4), 4, -1.0, 1.0)
     with pytest.raises(ValueError, match="bias must be"):
         dual_bias_range(torch.zeros(4, dtype=torch.float64))
+
+
+def test_batched_updates_match_each_layer_exactly():
+    from megatron_ext.moe.quantile_dual_bias import dual_bias_updates
+
+    g = torch.Generator().manual_seed(3)
+    layers, experts, k, num_bins = 3, 8, 2, 50
+    biases = torch.randn(layers, experts, generator=g) * 0.1
+    counts = torch.stack([
+        dual_bias_histogram(torch.rand(40, experts, generator=g), biases[i], k, *dual_bias_range(biases[i]), num_bins)
+        for i in range(layers)])
+    counts[1] = 0  # an empty histogram keeps its layer's bias
+    batched = dual_bias_updates(counts, biases, k)
+    for i in range(layers):
+        lo, hi = dual_bias_range(biases[i])
+        own = dual_bias_update(counts[i], lo, hi, k) if counts[i].sum() > 0 else biases[i]
+        assert torch.equal(batched[i], own), i
