@@ -5,28 +5,37 @@ Every input is handled in packed form [T_total, H, D]: a batch [B, T] becomes B 
 restart at every sequence start; the host computes each chunk's first token and length once.
 """
 
+import functools
+
 import torch
 import triton
 
 from kernels.kda.gate import GATE_GIVEN, gate_cumsum_kernel
+from kernels.kda.inter_bwd import inter_bwd_kernel
 from kernels.kda.intra import intra_fwd_kernel
 from kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
 from kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
 from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
 
 CHUNK = 64
-# Launch configs (V tile BV, num_warps, num_stages), chosen with offline sm_90 compiles so that no kernel
-# spills registers at D = 128 (tests/kernels/test_kda_compile.py checks them). The state kernels' V tile also
-# sets how many programs walk each sequence (V / BV per head).
-INTRA_FWD_CONFIG = dict(BV=32, num_warps=8)
-STATE_CONFIG = dict(BV=32, num_warps=8)
+# Launch configs (V tile BV, num_warps, num_stages). 4 warps everywhere but the output kernel: a one-knob sweep
+# on the H200 (tools/sweep_kda_kernels.py, docs/bench/kda-sweep-h200.json, B4 T8192 H32 D128) measured each
+# 4-warp config faster than the 8-warp one it replaced although ptxas reports spills for intra_fwd and the
+# state walks at 4 warps (tests/kernels/test_kda_compile.py holds those spills to the measured configs).
+INTRA_FWD_CONFIG = dict(BV=32, num_warps=4)
+# The state walks: one program per (V tile, sequence, head), each walks its sequence's chunks in order. A
+# 64-wide V tile halves the programs and was faster (state_fwd 2.03 -> 1.09 ms, state_bwd 2.45 -> 1.64) with
+# 256 of them; with fewer sequence-heads than that the walk needs the programs more (see state_config).
+STATE_CONFIG_WIDE = dict(BV=64, num_warps=4)
+STATE_CONFIG_NARROW = dict(BV=32, num_warps=4)
 OUTPUT_CONFIG = dict(BV=64, num_warps=4)
 # gate cumsum + L2 norm of q and k: one tensor per program in 16-row blocks; 64 registers at 4 warps, so ~8
 # programs share an SM (memory bound: what matters is how many loads are in flight)
 GATE_CONFIG = dict(RB=16, num_warps=4)
-DV_CONFIG = dict(BV=32, num_warps=8, num_stages=3)
-DQK_CONFIG = dict(BV=32, num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
-GATE_BWD_CONFIG = dict(num_warps=8)
+DV_CONFIG = dict(BV=32, num_warps=4, num_stages=3)
+INTER_BWD_CONFIG = dict(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
+DQK_CONFIG = dict(num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
+GATE_BWD_CONFIG = dict(num_warps=4)
 BKT = 32  # K tile of the dq/dk/dg kernels (never 16: see _block_k)
 KS = 64  # K slice of the decayed products in intra_fwd_kernel
 L2_ROWS = 32  # rows per program of the L2-norm backward
@@ -54,6 +63,24 @@ def _to_device(values: list[int], device) -> torch.Tensor:
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def state_config(num_seqs: int, H: int, V: int, device) -> dict:
+    """The wide V tile when it still gives every SM a program, else the narrow one (more walkers)."""
+    programs = num_seqs * H * triton.cdiv(V, STATE_CONFIG_WIDE["BV"])
+    return STATE_CONFIG_WIDE if programs >= _sm_count(device) else STATE_CONFIG_NARROW
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device) -> int:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: any config is correct, take the wide one
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _block_k(K):
@@ -99,9 +126,10 @@ def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
     hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
     U = torch.empty_like(U0)
     ht = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    state_fwd_kernel[(triton.cdiv(V, STATE_CONFIG["BV"]), meta.num_seqs * H)](
+    state_cfg = state_config(meta.num_seqs, H, V, dev)
+    state_fwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
         k, W, U0, G, h0 if h0 is not None else k, hbuf, U, ht if ht is not None else k, meta.seq_chunks,
-        meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts, **STATE_CONFIG)
+        meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts, **state_cfg)
     o = torch.empty_like(v)
     output_kernel[(triton.cdiv(V, OUTPUT_CONFIG["BV"]), meta.num_chunks, H)](
         q, G, hbuf, Mqk, U, o, meta.chunk_start, meta.chunk_len, scale, **opts, **OUTPUT_CONFIG)
@@ -120,17 +148,20 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     dhbuf = torch.empty_like(hbuf)
     dU = torch.empty_like(U)
     dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    state_bwd_kernel[(triton.cdiv(V, STATE_CONFIG["BV"]), meta.num_seqs * H)](
+    state_cfg = state_config(meta.num_seqs, H, V, dev)
+    state_bwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
         q, k, W, G, Mqk, do, dht if dht is not None else q, dhbuf, dU, dh0 if dh0 is not None else q,
         meta.seq_chunks, meta.chunk_start, meta.chunk_len, scale, HAS_DHT=dht is not None,
-        HAS_H0=dh0 is not None, **opts, **STATE_CONFIG)
+        HAS_H0=dh0 is not None, **opts, **state_cfg)
     f32 = dict(dtype=torch.float32, device=dev)
     block_kt = min(BKT, opts["BK"])
     num_kt = triton.cdiv(K, block_kt)
     # dMqk, dL: rounded once to the dot operand type (bf16 for bf16 inputs), read by every K tile
     scratch = torch.empty(2, T, H, CHUNK, dtype=torch.bfloat16 if opts["DOT_BF16"] else torch.float32, device=dev)
     dv = torch.empty(T, H, V, dtype=v.dtype, device=dev)
-    dbeta_parts = torch.empty(1 + num_kt, T, H, **f32)  # [0]: through v; [1 + j]: through K tile j
+    num_inter = triton.cdiv(K, min(INTER_BWD_CONFIG["BK"], opts["BK"]))
+    # dbeta partial sums: [0] through v; [1 + j] intra-chunk terms of K tile j; then the state terms per K tile
+    dbeta_parts = torch.empty(1 + num_kt + num_inter, T, H, **f32)
     intra_bwd_dv_kernel[(meta.num_chunks, H)](
         v, beta, U, dU, do, Ainv, scratch[0], scratch[1], dv, dbeta_parts, meta.chunk_start, meta.chunk_len, scale,
         H=H, V=V, DOT_BF16=opts["DOT_BF16"], **DV_CONFIG)
@@ -142,13 +173,21 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     dA_parts = torch.empty(meta.num_chunks, H, num_kt, **f32) if has_a else dg
     ddt_parts = torch.empty(meta.num_chunks, H, K, **f32) if has_bias else dg
     d_G = torch.empty(T, H, K, **f32)  # per-token dG before the reverse cumsum
-    dlast_parts = torch.zeros(meta.num_chunks, H, 4, K, **f32)  # each block's share of the chunk's last row
+    dlast = torch.empty(meta.num_chunks, H, K, **f32)  # the chunk's last row's share of dG (through Gl)
+    # the state terms of dq, dk, dG as fp32 partials; dq, dk themselves when they are fp32 (completed in place)
+    pq = dq if dq.dtype == torch.float32 else torch.empty(T, H, K, **f32)
+    pk = dk if dk.dtype == torch.float32 else torch.empty(T, H, K, **f32)
+    inter_bk = min(INTER_BWD_CONFIG["BK"], opts["BK"])
+    inter_launch = {key: value for key, value in INTER_BWD_CONFIG.items() if key != "BK"}
+    inter_bwd_kernel[(triton.cdiv(K, inter_bk), meta.num_chunks, H)](
+        q, k, beta, G, hbuf, dhbuf, U, dU, do, Ainv, pq, pk, d_G, dlast, dbeta_parts, meta.chunk_start,
+        meta.chunk_len, scale, H, T * H, 1 + num_kt, K=K, V=V, BK=inter_bk, DOT_BF16=opts["DOT_BF16"], **inter_launch)
     intra_bwd_dqk_kernel[(num_kt * 4, meta.num_chunks, H)](
-        q, k, beta, G, hbuf, dhbuf, U, dU, do, Ainv, scratch[0], scratch[1], dq, dk, d_G, dlast_parts, dbeta_parts,
-        meta.chunk_start, meta.chunk_len, scale, H, T * H, K=K, V=V, BKT=block_kt, SAFE_GATE=safe_gate,
-        DOT_BF16=opts["DOT_BF16"], **DQK_CONFIG)
+        q, k, beta, G, scratch[0], scratch[1], pq, pk, d_G, dq, dk, d_G, dbeta_parts, meta.chunk_start,
+        meta.chunk_len, scale, H, T * H, K=K, BKT=block_kt, SAFE_GATE=safe_gate, DOT_BF16=opts["DOT_BF16"],
+        **DQK_CONFIG)
     gate_bwd_kernel[(num_kt, meta.num_chunks, H)](
-        d_G, dlast_parts, f, A_log if has_a else f, dt_bias if has_bias else f, dg, dA_parts, ddt_parts,
+        d_G, dlast, f, A_log if has_a else f, dt_bias if has_bias else f, dg, dA_parts, ddt_parts,
         meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), H, K=K, BKT=block_kt, GATE=gate, HAS_A=has_a,
         HAS_BIAS=has_bias, **GATE_BWD_CONFIG)
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
@@ -164,16 +203,17 @@ class ChunkKDAFunction(torch.autograd.Function):
         meta = ChunkMeta(cu_seqlens_list, q.device)
         G, qn, kn = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm)
         o, ht, saved = kda_fwd(qn, kn, v, G, beta, scale, initial_state, output_final_state, safe_gate, meta)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, *saved)
+        # G (fp32) and the normalised q, k are kept rather than recomputed in the backward: the fused gate /
+        # L2-norm pass is ~5% of a forward+backward (1.06 ms at B4 T8192 H32 D128), the memory 8 bytes per
+        # element of q (the per-chunk states already take 2 * V / 64 = 4 per element at V = 128)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, G, qn, kn, *saved)
         ctx.args = (scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, h0, *saved = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, h0, G, qn, kn, *saved = ctx.saved_tensors
         scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta = ctx.args
-        # recompute G and the normalised q, k (one fused pass) rather than keep them alive since the forward
-        G, qn, kn = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm)
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kda_bwd(
             qn, kn, v, G, beta, scale, h0, dht, do.contiguous(), saved, g, A_log, dt_bias, lower_bound, gate,
             safe_gate, meta, torch.float32 if use_qk_l2norm else q.dtype)

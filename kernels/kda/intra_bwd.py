@@ -66,11 +66,11 @@ def load_col(ptr, t0, col, h, H, D: tl.constexpr, kc, BKT: tl.constexpr):
 
 
 @triton.jit
-def intra_bwd_dqk_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, dL_buf, dq, dk, dG_buf, dlast_parts,
-                         dbeta_parts, chunk_start, chunk_len, scale, H, part_stride, K: tl.constexpr,
-                         V: tl.constexpr, BKT: tl.constexpr, BV: tl.constexpr, SAFE_GATE: tl.constexpr,
-                         DOT_BF16: tl.constexpr):
-    """dq, dk and the per-token dG of one 16-row block of a chunk, for K columns kc..kc+BKT-1."""
+def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_buf, dbeta_parts, chunk_start,
+                         chunk_len, scale, H, part_stride, K: tl.constexpr, BKT: tl.constexpr,
+                         SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
+    """dq, dk and the per-token dG of one 16-row block of a chunk, for K columns kc..kc+BKT-1: the state terms
+    (fp32 partials pq, pk, pG from inter_bwd_kernel) plus the intra-chunk ones."""
     pid, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kt, blk = pid // 4, pid % 4
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
@@ -82,47 +82,17 @@ def intra_bwd_dqk_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, dL
     rows = r0 + s16
     kmask, rok, row_ok = d < K, rows < n, t < n
     m16 = rok[:, None] & kmask[None, :]
-
-    # 1) state contractions for the block's rows; d_kb = Ainv[:, blk]^T dw with dw = -dU S^T, taken as
-    # -(Ainv[:, blk]^T dU) S^T per V tile (no [64, BKT] dw, the [16, BV] product split for dG's sake)
-    a_blk_t = tl.trans(to_dot(load_tile(Ainv, t0, n, h, H, 64, r0, 16), DOT_BF16))
-    d_kb = tl.zeros([16, BKT], dtype=tl.float32)
-    d_qg = tl.zeros([16, BKT], dtype=tl.float32)
-    d_kgl = tl.zeros([16, BKT], dtype=tl.float32)
-    d_glast = tl.zeros([BKT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
-        e = v0 + tl.arange(0, BV)
-        S = tl.load(tl.make_block_ptr(hbuf + (c * H + h) * K * V, (K, V), (V, 1), (kc, v0), (BKT, BV), (1, 0)),
-                    boundary_check=(0, 1), padding_option="zero")
-        dS = tl.load(tl.make_block_ptr(dhbuf + (c * H + h) * K * V, (K, V), (V, 1), (kc, v0), (BKT, BV), (1, 0)),
-                     boundary_check=(0, 1), padding_option="zero")
-        S_t = tl.trans(to_dot(S, DOT_BF16))
-        x = tl.dot(a_blk_t, to_dot(load_tile(dU, t0, n, h, H, V, v0, BV), DOT_BF16))
-        d_kb -= dot_split(x, S_t, True, DOT_BF16)
-        d_qg += tl.dot(to_dot(row_block(dO, t0, r0, n, H * V, h * V, e, V), DOT_BF16), S_t)
-        d_kgl += tl.dot(to_dot(row_block(U, t0, r0, n, H * V, h * V, e, V), DOT_BF16), tl.trans(to_dot(dS, DOT_BF16)))
-        d_glast += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
-
-    # 2) through w = Ainv kb (kb = beta k e^G), kgl = k e^{Gl - G}, qg = scale q e^G
+    offs = (t0 + rows)[:, None] * (H * K) + h * K + d[None, :]
+    d_q = tl.load(pq + offs, mask=m16, other=0.0)
+    d_k = tl.load(pk + offs, mask=m16, other=0.0)
+    d_g = tl.load(pG + offs, mask=m16, other=0.0)
+    d_b = tl.zeros([16], dtype=tl.float32)
     q_i = row_block(q, t0, r0, n, H * K, h * K, d, K)
     k_i = row_block(k, t0, r0, n, H * K, h * K, d, K)
     g_i = row_block(G, t0, r0, n, H * K, h * K, d, K)
     b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
-    e_g = tl.exp(g_i)
-    d_k = d_kb * b_i[:, None] * e_g
-    d_b = tl.sum(d_kb * k_i * e_g, 1)
-    d_g = d_k * k_i
-    g_last = load_col(G, t0, n - 1, h, H, K, kc, BKT)
-    e_l = tl.exp(tl.where(m16, g_last[None, :] - g_i, float("-inf")))
-    d_k += d_kgl * e_l
-    to_last = d_kgl * k_i * e_l  # moves from row t to the chunk's last row (through Gl)
-    d_g -= to_last
-    last = tl.sum(to_last, 0) + tl.where(blk == 0, tl.exp(g_last) * d_glast, 0.0)
-    tl.store(dlast_parts + ((c * H + h) * 4 + blk) * K + d, last, mask=kmask)
-    d_q = d_qg * e_g * scale
-    d_g += d_q * q_i
 
-    # 3) the decayed products exp(G_t - G_s) = exp(G_t - r_i) exp(r_i - G_s), r_i = G at the first row of the
+    # the decayed products exp(G_t - G_s) = exp(G_t - r_i) exp(r_i - G_s), r_i = G at the first row of the
     # row's block i: every factor <= 1 except inside the diagonal tile, where a lower-bounded gate keeps it
     # <= e^{15 |g_min|}. Row side: keys s of the block's rows t.
     k_all = load_tile(k, t0, n, h, H, K, kc, BKT)
@@ -186,7 +156,6 @@ def intra_bwd_dqk_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, dL
             d_k += tl.where(rows[:, None] == s, tl.sum(pair, 0)[None, :], 0.0)
             d_g -= tl.where(rows[:, None] == s, tl.sum(pair * k_s[None, :], 0)[None, :], 0.0)
 
-    offs = (t0 + rows)[:, None] * (H * K) + h * K + d[None, :]
     tl.store(dq + offs, d_q.to(dq.dtype.element_ty), mask=m16)
     tl.store(dk + offs, d_k.to(dk.dtype.element_ty), mask=m16)
     tl.store(dG_buf + offs, d_g, mask=m16)
@@ -194,10 +163,10 @@ def intra_bwd_dqk_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, dM_buf, dL
 
 
 @triton.jit
-def gate_bwd_kernel(dG_buf, dlast_parts, f, A_log, dt_bias, dg, dA_parts, ddt_parts, chunk_start, chunk_len,
+def gate_bwd_kernel(dG_buf, dlast, f, A_log, dt_bias, dg, dA_parts, ddt_parts, chunk_start, chunk_len,
                     lower_bound, H, K: tl.constexpr, BKT: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
                     HAS_BIAS: tl.constexpr):
-    """dg = reverse cumsum over the chunk of dG (plus the last row's share), then through the gate activation,
+    """dg = reverse cumsum over the chunk of dG (plus the last row's share from inter_bwd_kernel), then through the gate activation,
     with per-program partial sums of the dA_log / ddt_bias terms."""
     kt, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
@@ -206,9 +175,7 @@ def gate_bwd_kernel(dG_buf, dlast_parts, f, A_log, dt_bias, dg, dA_parts, ddt_pa
     kmask = d < K
     m2 = (t < n)[:, None] & kmask[None, :]
     d_g = load_tile(dG_buf, t0, n, h, H, K, kc, BKT)
-    last = tl.zeros([BKT], dtype=tl.float32)
-    for blk in range(4):
-        last += tl.load(dlast_parts + ((c * H + h) * 4 + blk) * K + d, mask=kmask, other=0.0)
+    last = tl.load(dlast + (c * H + h) * K + d, mask=kmask, other=0.0)
     d_g += tl.where(t[:, None] == n - 1, last[None, :], 0.0)
     d_gate = tl.where(m2, tl.sum(d_g, 0)[None, :] - tl.cumsum(d_g, 0) + d_g, 0.0)
     if GATE != 0:

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 D = 128
 POINTER_FP32 = {"G", "Ainv", "A_log", "dt_bias", "h0", "ht", "dht", "dh0", "dq", "dk", "dxn", "dbeta_parts",
-                "dA_parts", "ddt_parts"}
-INTS = {"H", "part_stride", "rows"}
+                "dA_parts", "ddt_parts", "pq", "pk", "pG", "dlast"}
+INTS = {"H", "part_stride", "part_offset", "rows"}
 FLOATS = {"scale", "lower_bound", "eps"}
 INDEX = {"chunk_start", "chunk_len", "seq_chunks"}
 
@@ -35,6 +35,7 @@ def signature(kernel, constexprs):
 def kernel_cases():
     from kernels.kda import chunk
     from kernels.kda.gate import GATE_LOWER_BOUND, gate_cumsum_kernel
+    from kernels.kda.inter_bwd import inter_bwd_kernel
     from kernels.kda.intra import intra_fwd_kernel
     from kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
     from kernels.kda.l2norm import l2norm_bwd_kernel
@@ -45,21 +46,28 @@ def kernel_cases():
     return {
         "gate_cumsum": (gate_cumsum_kernel, dict(K=D, BK=D, NORM=True, **gate), chunk.GATE_CONFIG),
         "intra_fwd": (intra_fwd_kernel, dict(dims, SAFE_GATE=True, KS=chunk.KS), chunk.INTRA_FWD_CONFIG),
-        "state_fwd": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), chunk.STATE_CONFIG),
+        "state_fwd": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), chunk.STATE_CONFIG_WIDE),
+        "state_fwd_narrow": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), chunk.STATE_CONFIG_NARROW),
         "output": (output_kernel, dims, chunk.OUTPUT_CONFIG),
-        "state_bwd": (state_bwd_kernel, dict(dims, HAS_DHT=True, HAS_H0=True), chunk.STATE_CONFIG),
+        "state_bwd": (state_bwd_kernel, dict(dims, HAS_DHT=True, HAS_H0=True), chunk.STATE_CONFIG_WIDE),
+        "state_bwd_narrow": (state_bwd_kernel, dict(dims, HAS_DHT=True, HAS_H0=True), chunk.STATE_CONFIG_NARROW),
+        "inter_bwd": (inter_bwd_kernel, dict(K=D, V=D, DOT_BF16=True), chunk.INTER_BWD_CONFIG),
         "intra_bwd_dv": (intra_bwd_dv_kernel, dict(V=D, DOT_BF16=True), chunk.DV_CONFIG),
-        "intra_bwd_dqk": (intra_bwd_dqk_kernel, dict(K=D, V=D, BKT=chunk.BKT, SAFE_GATE=True, DOT_BF16=True),
+        "intra_bwd_dqk": (intra_bwd_dqk_kernel, dict(K=D, BKT=chunk.BKT, SAFE_GATE=True, DOT_BF16=True),
                           chunk.DQK_CONFIG),
         "gate_bwd": (gate_bwd_kernel, dict(K=D, BKT=chunk.BKT, **gate), chunk.GATE_BWD_CONFIG),
         "l2norm_bwd": (l2norm_bwd_kernel, dict(K=D, BK=D, BR=chunk.L2_ROWS), {}),
     }
 
 
-SPILL_ALLOWANCE: dict[str, int] = {}  # spilled 4-byte words tolerated per kernel
+# Spill bytes tolerated per kernel: the 4-warp configs below were measured faster on the H200 than 8-warp
+# ones without spills (tools/sweep_kda_kernels.py); the bounds sit ~20% above what ptxas reports for them
+# (Triton 3.8) so that a change that spills more fails here.
+SPILL_ALLOWANCE: dict[str, int] = {"intra_fwd": 1300, "state_fwd": 1100, "state_bwd": 1600, "state_fwd_narrow": 160,
+                                   "state_bwd_narrow": 400, "inter_bwd": 40}
 
-NAMES = ["gate_cumsum", "intra_fwd", "state_fwd", "output", "state_bwd", "intra_bwd_dv", "intra_bwd_dqk", "gate_bwd",
-         "l2norm_bwd"]
+NAMES = ["gate_cumsum", "intra_fwd", "state_fwd", "state_fwd_narrow", "output", "state_bwd", "state_bwd_narrow",
+         "inter_bwd", "intra_bwd_dv", "intra_bwd_dqk", "gate_bwd", "l2norm_bwd"]
 
 
 @pytest.mark.parametrize("name", NAMES)
