@@ -44,26 +44,26 @@ def inter_bwd_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, pq, pk, pG, dl
         d_qg = tl.dot(to_dot(load_tile(dO, t0, n, h, H, V, v0, BV), DOT_BF16), S_t, d_qg)
         d_kgl = tl.dot(to_dot(load_tile(U, t0, n, h, H, V, v0, BV), DOT_BF16), tl.trans(to_dot(dS, DOT_BF16)), d_kgl)
         d_glast += tl.sum(S.to(tl.float32) * dS.to(tl.float32), 1)
-    a_t = tl.trans(to_dot(load_tile(Ainv, t0, n, h, H, 64, 0, 64), DOT_BF16))
-    d_kb = -dot_split(a_t, d_w, False, DOT_BF16)  # Ainv^T dw, dw = dU S^T with the sign of u = u0 - w S
-
-    # through kb = beta k e^G, kgl = k e^{Gl - G}, qg = scale q e^G (padded rows are zero in every product)
-    k_c = load_tile(k, t0, n, h, H, K, kc, BK)
+    # through qg = scale q e^G, kgl = k e^{Gl - G}, kb = beta k e^G, in that order so that each accumulator is
+    # dead before the next [64, BK] temporaries appear (padded rows are zero in every product)
     g_c = load_tile(G, t0, n, h, H, K, kc, BK)
-    b_c = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
     e_g = tl.exp(g_c)
-    d_k = d_kb * b_c[:, None] * e_g
-    d_b = tl.sum(d_kb * k_c * e_g, 1)
-    d_g = d_k * k_c
+    d_q = d_qg * e_g * scale
+    store_tile(pq, d_q, t0, n, h, H, K, kc, BK)
+    d_g = d_q * load_tile(q, t0, n, h, H, K, kc, BK)
+    k_c = load_tile(k, t0, n, h, H, K, kc, BK)
     g_last = tl.load(G + (t0 + n - 1) * H * K + h * K + d, mask=kmask, other=0.0)
-    e_l = tl.exp(tl.where(m2, g_last[None, :] - g_c, float("-inf")))
-    d_k += d_kgl * e_l
-    to_last = d_kgl * k_c * e_l  # moves from row t to the chunk's last row (through Gl)
+    d_k = d_kgl * tl.exp(tl.where(m2, g_last[None, :] - g_c, float("-inf")))
+    to_last = d_k * k_c  # moves from row t to the chunk's last row (through Gl)
     d_g -= to_last
     tl.store(dlast + (c * H + h) * K + d, tl.sum(to_last, 0) + tl.exp(g_last) * d_glast, mask=kmask)
-    d_q = d_qg * e_g * scale
-    d_g += d_q * load_tile(q, t0, n, h, H, K, kc, BK)
-    store_tile(pq, d_q, t0, n, h, H, K, kc, BK)
+    a_t = tl.trans(to_dot(load_tile(Ainv, t0, n, h, H, 64, 0, 64), DOT_BF16))
+    d_kbe = -dot_split(a_t, d_w, False, DOT_BF16) * e_g  # Ainv^T dw e^G, dw = dU S^T (u = u0 - w S)
+    b_c = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
+    d_kb = d_kbe * b_c[:, None]
+    d_k += d_kb
+    d_g += d_kb * k_c
     store_tile(pk, d_k, t0, n, h, H, K, kc, BK)
     store_tile(pG, d_g, t0, n, h, H, K, kc, BK)
+    d_b = tl.sum(d_kbe * k_c, 1)
     tl.store(dbeta_parts + (part_offset + kt) * part_stride + (t0 + t) * H + h, d_b, mask=row_ok)
