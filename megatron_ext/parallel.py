@@ -146,7 +146,9 @@ def resolve_main_grad_dtype(main_grad_dtype: str, config, micro_batches_per_step
       buffers (dense and expert), so one rank more anywhere (e.g. EP over 2 GPUs, whose dense weights are
       data-parallel) gives ``"fp32"``; the pipeline and tensor-parallel sizes count because Megatron also sums
       gradients across them (tied embeddings between the first and last stage, sequence-parallel norm weights).
-      ``micro_batches_per_step`` must be given.
+      ``micro_batches_per_step`` must be given. One case it cannot see: a parameter whose gradient arrives in
+      two backward calls of one micro-batch (used both inside and outside a re-entrant activation-recompute
+      segment) is summed in bf16; choose ``"fp32"`` for such a model.
 
     With bf16 main grads the fused optimizer step (``build_optimizer(fast_step=True)``) reads them directly; see
     :mod:`megatron_ext.speed_patches`. Megatron's own optimizer (``fast_step=False``) works too but makes an
