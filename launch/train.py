@@ -120,8 +120,10 @@ def main(argv=None) -> None:
 
     # 1-2. Parallel state, model, DDP, optimizer, schedule.
     initialize_parallel(model_cfg, train.seed)
+    micro_per_step = train.global_batch_size // (train.micro_batch_size * ps.get_data_parallel_world_size())
     chunks = wrap_ddp(
-        build_model_chunks(model_cfg), model_cfg, use_distributed_optimizer=par.use_distributed_optimizer
+        build_model_chunks(model_cfg), model_cfg, use_distributed_optimizer=par.use_distributed_optimizer,
+        main_grad_dtype=train.main_grad_dtype, micro_batches_per_step=micro_per_step,
     )
     optimizer = build_optimizer(
         chunks,
@@ -152,7 +154,8 @@ def main(argv=None) -> None:
     log0(f"> model: {model_cfg.num_layers} layers, pattern {model_cfg.attention_pattern!r}, "
          f"{n_params / 1e6:.2f}M parameters on rank 0, world {world} "
          f"(TP{par.tensor_model_parallel_size} PP{par.pipeline_model_parallel_size} "
-         f"EP{par.expert_model_parallel_size} DP{ps.get_data_parallel_world_size()})")
+         f"EP{par.expert_model_parallel_size} DP{ps.get_data_parallel_world_size()}), "
+         f"{'fp32' if chunks[0].ddp_config.grad_reduce_in_fp32 else 'bf16'} gradient buffer")
 
     def sharded_state(for_loading: bool, with_optimizer: bool) -> dict:
         model_sd = {f"model{i}": c.module.sharded_state_dict() for i, c in enumerate(chunks)}
@@ -211,7 +214,6 @@ def main(argv=None) -> None:
         consumed_samples=consumed,
         log=log0,
     )
-    micro_per_step = train.global_batch_size // (train.micro_batch_size * dp_size)
     rank = dist.get_rank()
     is_logger = rank == world - 1  # the last pipeline stage holds the loss
     logger = MetricsLogger(

@@ -4,7 +4,8 @@
   process group exists, naming the setting and the values that would work;
 * :func:`initialize_parallel` - Megatron's process groups and model-parallel RNG;
 * :func:`build_model_chunks` - one model chunk per virtual pipeline stage of this rank;
-* :func:`wrap_ddp` - Megatron DDP (expert params reduced over the expert-data-parallel group);
+* :func:`wrap_ddp` - Megatron DDP (expert params reduced over the expert-data-parallel group), gradients in
+  fp32 or bf16 (:func:`resolve_main_grad_dtype`);
 * :func:`build_optimizer` - Megatron's (distributed) AdamW; with ``fast_step`` one fused AdamW + clip +
   bf16-copy pass per tensor (torch's fused Adam where that does not apply) and foreach grad norms.
 
@@ -128,18 +129,65 @@ def build_model_chunks(config: HybridConfig) -> list[torch.nn.Module]:
     return chunks
 
 
+MAIN_GRAD_DTYPES = ("fp32", "bf16", "auto")
+
+
+def resolve_main_grad_dtype(main_grad_dtype: str, config, micro_batches_per_step: int | None) -> str:
+    """``"fp32"`` or ``"bf16"``: the dtype of Megatron DDP's gradient buffer (``param.main_grad``).
+
+    * ``"fp32"`` - Megatron DDP with ``grad_reduce_in_fp32=True``: gradients are accumulated over micro-batches
+      and reduced over data-parallel ranks in fp32 (what our runs used before);
+    * ``"bf16"`` - ``grad_reduce_in_fp32=False`` (Megatron's own default): the buffer has the parameters' dtype,
+      so accumulation and reduction round to bf16 after each sum. Needs bf16 parameters (``bf16: true``);
+    * ``"auto"`` - ``"bf16"`` where it changes no number: bf16 parameters, one micro-batch per step and one rank
+      holding every copy of every parameter (data-parallel, expert-data-parallel, pipeline and tensor-parallel
+      sizes 1). Then nothing is ever added into the buffer (each bf16 autograd gradient is just copied in), so
+      the fp32 buffer would hold exactly the bf16 values. Otherwise ``"fp32"``. One flag covers both of DDP's
+      buffers (dense and expert), so one rank more anywhere (e.g. EP over 2 GPUs, whose dense weights are
+      data-parallel) gives ``"fp32"``; the pipeline and tensor-parallel sizes count because Megatron also sums
+      gradients across them (tied embeddings between the first and last stage, sequence-parallel norm weights).
+      ``micro_batches_per_step`` must be given. One case it cannot see: a parameter whose gradient arrives in
+      two backward calls of one micro-batch (used both inside and outside a re-entrant activation-recompute
+      segment) is summed in bf16; choose ``"fp32"`` for such a model.
+
+    With bf16 main grads the fused optimizer step (``build_optimizer(fast_step=True)``) reads them directly; see
+    :mod:`megatron_ext.speed_patches`. Megatron's own optimizer (``fast_step=False``) works too but makes an
+    fp32 copy of every gradient.
+    """
+    if main_grad_dtype not in MAIN_GRAD_DTYPES:
+        raise ConfigError(f"main_grad_dtype={main_grad_dtype!r}; allowed: {', '.join(MAIN_GRAD_DTYPES)}")
+    if main_grad_dtype == "fp32":
+        return "fp32"
+    if not config.bf16:
+        if main_grad_dtype == "bf16":
+            raise ConfigError("main_grad_dtype='bf16' needs bf16 parameters (bf16: true); allowed here: fp32, auto")
+        return "fp32"
+    if main_grad_dtype == "bf16":
+        return "bf16"
+    if micro_batches_per_step is None:
+        raise ConfigError("main_grad_dtype='auto' needs the number of micro-batches per step")
+    replicas = (ps.get_data_parallel_world_size(), ps.get_expert_data_parallel_world_size(),
+                ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size())
+    return "bf16" if micro_batches_per_step == 1 and all(n == 1 for n in replicas) else "fp32"
+
+
 def wrap_ddp(
     chunks: list[torch.nn.Module],
     config: HybridConfig,
     use_distributed_optimizer: bool = False,
     overlap_grad_reduce: bool = False,
     fresh_main_grads: bool = True,
+    main_grad_dtype: str = "fp32",
+    micro_batches_per_step: int | None = None,
 ) -> list[DistributedDataParallel]:
-    """Megatron DDP around each chunk; gradients are reduced in fp32. ``fresh_main_grads``: the step's first
-    gradients are copied into the buffer instead of a zero fill plus add
+    """Megatron DDP around each chunk. ``main_grad_dtype`` (``fp32`` | ``bf16`` | ``auto``, see
+    :func:`resolve_main_grad_dtype`; ``auto`` needs ``micro_batches_per_step``): the dtype gradients are
+    accumulated and reduced in; the default ``fp32`` is what we always did. ``fresh_main_grads``: the step's
+    first gradients are copied into the buffer instead of a zero fill plus add
     (:func:`megatron_ext.speed_patches.use_fresh_main_grads`); ``False`` is Megatron's own behaviour."""
+    dtype = resolve_main_grad_dtype(main_grad_dtype, config, micro_batches_per_step)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=dtype == "fp32",
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
     )

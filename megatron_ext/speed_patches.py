@@ -12,11 +12,17 @@ path; with Apex or Transformer Engine present it does nothing.
 ``step_with_ready_grads`` runs ``kernels.adamw`` (one pass per tensor: AdamW, the clip coefficient and the
 fp32-to-bf16 model copy; Megatron makes three), and inside the scoped step Megatron's
 ``clip_grad_by_total_norm_fp32`` hands those optimizers' coefficient to that kernel instead of scaling the
-gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested).
+gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested). When DDP's
+``main_grad`` has the model parameter's own dtype (bf16 main grads: ``wrap_ddp(main_grad_dtype="bf16")``,
+Megatron's ``grad_reduce_in_fp32=False``), Megatron's ``_copy_model_grads_to_main_grads`` would make an fp32
+copy of every gradient (``main_grad.float()``); these optimizers instead point the model parameter's ``.grad``
+at its bf16 ``main_grad`` (no copy), the grad norm reads it there (foreach norm accumulating in fp32) and the
+AdamW kernel reads it as its gradient (widened in registers). Same update as the fp32 ``main_grad`` holding
+the same values (tested bit for bit).
 
 :func:`use_fresh_main_grads` changes Megatron DDP's gradient buffer for the first backward of a step: the
-first gradient of each parameter is copied into ``main_grad`` (6 bytes per parameter for a bf16 gradient)
-instead of zero-filling the whole buffer and adding into it (14); later micro-batches add as before, and a
+first gradient of each parameter is copied into ``main_grad`` (6 bytes per parameter for a bf16 gradient into
+an fp32 buffer, 4 into a bf16 one) instead of zero-filling the whole buffer and adding into it (14; 8 in bf16); later micro-batches add as before, and a
 parameter that got no gradient is zeroed before the grads are reduced (tested: identical grads).
 """
 
@@ -30,11 +36,16 @@ import torch
 
 
 def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-    """Megatron's ``l2_norm_impl`` contract: ``([1] fp32 total L2 norm, None)``; no host sync."""
+    """Megatron's ``l2_norm_impl`` contract: ``([1] fp32 total L2 norm, None)``; no host sync. bf16/fp16
+    tensors (bf16 main grads) are summed in fp32 and give fp32 per-tensor norms, as their fp32 copies would."""
     tensors = tensor_lists[0]
     if not tensors:
         return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
-    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)])
+    if all(t.dtype == torch.float32 for t in tensors):
+        per_tensor_norms = torch._foreach_norm(tensors)
+    else:
+        per_tensor_norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    norms = torch.stack([n.float() for n in per_tensor_norms])
     return torch.linalg.vector_norm(norms).reshape(1), None
 
 
@@ -97,8 +108,61 @@ def use_fused_adamw_step(optimizer) -> int:
         for group in inner.param_groups:
             _fused_main_params.update({id(p): p for p in group["params"]})
         opt.step_with_ready_grads = lambda opt=opt, model_of=model_of: _fused_adamw_step(opt, model_of)
+        # bf16 main grads read in place, unless something reads the main params' .grad: Megatron's zero count,
+        # or a grad scaler's unscale and inf check.
+        if not opt.config.log_num_zeros_in_grad and opt.grad_scaler is None:
+            opt._copy_model_grads_to_main_grads = lambda opt=opt: _copy_model_grads_without_widening(opt)
+            opt._filter_grads_for_norm = _grads_for_norm_via_model_params(opt._filter_grads_for_norm, model_of)
         switched += 1
     return switched
+
+
+def _is_low_precision_grad(grad, model_param) -> bool:
+    return grad is not None and grad.dtype == model_param.dtype and grad.dtype != torch.float32
+
+
+def _copy_model_grads_without_widening(opt) -> None:
+    """Megatron's ``_copy_model_grads_to_main_grads`` for an optimizer on the fused step: a gradient in the model
+    parameter's own dtype (a bf16 ``main_grad``, or a bf16 ``.grad`` without DDP) stays where it is, as the
+    model parameter's ``.grad`` (a view: no copy), and the main parameter's ``.grad`` is ``None``; the fused step
+    and the grad norm find it through the model parameter (:func:`_main_grad_of`). Any other gradient goes to
+    the main parameter as Megatron puts it (``.float()``: no copy for an fp32 ``main_grad``). Like Megatron's
+    own fp32 parameters' ``.grad``, the view lives until the optimizer's ``zero_grad``."""
+    for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+        for model, main in zip(models, mains):
+            grad = model.main_grad if hasattr(model, "main_grad") else model.grad
+            if _is_low_precision_grad(grad, model):
+                model.grad, main.grad = grad, None
+            else:
+                main.grad = None if grad is None else grad.float()
+                model.grad = None
+    for models in opt.fp32_from_fp32_groups:
+        for model in models:
+            model.grad = model.main_grad
+
+
+def _main_grad_of(main, model):
+    """The gradient the fused step applies to ``main``: its ``.grad``, or its model parameter's low-precision
+    ``.grad`` left there by :func:`_copy_model_grads_without_widening`; ``None`` when it got none."""
+    if main.grad is not None or model is None:
+        return main.grad
+    return model.grad if _is_low_precision_grad(model.grad, model) else None
+
+
+def _grads_for_norm_via_model_params(filter_grads, model_of: dict):
+    """Megatron's ``_filter_grads_for_norm`` with each main parameter whose gradient stayed on its model parameter
+    represented by that model parameter: it carries the same attributes the filter reads (shared, tensor- and
+    expert-parallel duplicates, grad-norm group), and its ``.grad`` is the bf16 gradient."""
+
+    def filter_grads_for_norm(params, param_filter=None):
+        swapped = []
+        for p in params:
+            model = model_of.get(id(p))
+            swapped.append(model if p.grad is None and model is not None and _main_grad_of(p, model) is not None
+                           else p)
+        return filter_grads(swapped, param_filter=param_filter)
+
+    return filter_grads_for_norm
 
 
 @torch.no_grad()
@@ -108,7 +172,8 @@ def _fused_adamw_step(opt, model_of: dict) -> bool:
 
     inner = opt.optimizer
     for group in inner.param_groups:
-        params = [p for p in group["params"] if p.grad is not None]
+        grads = {id(p): _main_grad_of(p, model_of.get(id(p))) for p in group["params"]}
+        params = [p for p in group["params"] if grads[id(p)] is not None]
         states = [inner.state[p] for p in params]
         for p, state in zip(params, states):  # torch's lazy init (fused: fp32 step on the device)
             if "step" not in state:
@@ -122,8 +187,8 @@ def _fused_adamw_step(opt, model_of: dict) -> bool:
             torch._foreach_add_([s["step"] for s in states], 1.0)
         beta1, beta2 = group["betas"]
         for p, state in zip(params, states):
-            adamw_step_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], model_of.get(id(p)),
-                        lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+            adamw_step_(p, grads[id(p)], state["exp_avg"], state["exp_avg_sq"], state["step"],
+                        model_of.get(id(p)), lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                         weight_decay=group["weight_decay"], grad_scale=_pending_clip.pop(id(p), 1.0))
     return True
 

@@ -135,10 +135,15 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def build_training_state(build_chunks: Callable[[], list], config, fast_step: bool = True):
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def build_training_state(build_chunks: Callable[[], list], config, fast_step: bool = True,
+                         main_grad_dtype: str = "fp32", micro_batches_per_step: int = 1):
     """Model chunks (``Float16Module`` under bf16) -> Megatron DDP -> Megatron AdamW (``fast_step``: see
     ``megatron_ext.parallel.build_optimizer`` and ``wrap_ddp(fresh_main_grads=...)``; ``False``: what
-    Megatron-Core does without TE/Apex)."""
+    Megatron-Core does without TE/Apex). ``main_grad_dtype``: ``wrap_ddp``'s (fp32 | bf16 | auto), with
+    ``micro_batches_per_step`` (the benchmarks run one)."""
     from megatron.core.transformer.module import Float16Module
 
     from megatron_ext.parallel import build_optimizer, wrap_ddp
@@ -146,15 +151,18 @@ def build_training_state(build_chunks: Callable[[], list], config, fast_step: bo
     chunks = build_chunks()
     if config.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
-    chunks = wrap_ddp(chunks, config, fresh_main_grads=fast_step)
+    chunks = wrap_ddp(chunks, config, fresh_main_grads=fast_step, main_grad_dtype=main_grad_dtype,
+                      micro_batches_per_step=micro_batches_per_step)
     optimizer = build_optimizer(chunks, lr=1e-4, bf16=config.bf16, fast_step=fast_step)
     return chunks, optimizer
 
 
 def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int, seq: int,
                        micro_batch: int, warmup: int, steps: int, after_step: Callable[[list], None] | None = None,
-                       profiler=None, fast_step: bool = True) -> dict:
-    """Median ms of one training step and the peak memory (GB) of this rank.
+                       profiler=None, fast_step: bool = True, main_grad_dtype: str = "fp32") -> dict:
+    """Median ms of one training step, the peak memory (GB) of this rank and the gradient buffer's dtype
+    (``main_grad_dtype``, e.g. ``"bf16"``: what ``main_grad_dtype``, see ``build_training_state``, resolved to;
+    fp32 models always have fp32 gradients).
 
     A step is: zero the grads, forward + backward of one microbatch through Megatron's schedule,
     ``optimizer.step()``, then ``after_step(chunks)`` (e.g. router-bias updates). The peak
@@ -167,7 +175,9 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
     free_device_memory(device)
-    chunks, optimizer = build_training_state(build_chunks, config, fast_step)
+    chunks, optimizer = build_training_state(build_chunks, config, fast_step, main_grad_dtype,
+                                             micro_batches_per_step=1)
+    grad_dtype = next(p.main_grad.dtype for c in chunks for p in c.parameters() if hasattr(p, "main_grad"))
     model_device = next(chunks[0].parameters()).device
     # Each rank its own tokens (under EP every rank routes a different batch, as in training).
     batch = [synthetic_batch(vocab_size, seq, micro_batch, model_device, seed=dist.get_rank())]
@@ -189,4 +199,4 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     finally:
         del chunks, optimizer, batch
         free_device_memory(model_device)
-    return {"step_ms": ms, "peak_gb": peak}
+    return {"step_ms": ms, "peak_gb": peak, "main_grad_dtype": DTYPE_NAMES.get(grad_dtype, str(grad_dtype))}

@@ -13,7 +13,8 @@ Variants (``--variants``, default all):
   ``SequentialMLP`` experts, ``TopKRouter`` with aux loss 1e-2, all-to-all dispatcher, RoPE),
   core attention ``DotProductAttention`` (``--stock-attention sdpa``: ours, SDPA), sequence 4096,
   Megatron-Core's optimizer as it comes without TE/Apex (torch AdamW, foreach; its own grad-norm and
-  clipping stand-ins; ours run ``fast_step``: see ``megatron_ext.parallel.build_optimizer``);
+  clipping stand-ins, fp32 gradient buffer; ours run ``fast_step``: see ``megatron_ext.parallel.build_optimizer``,
+  and ``--main-grad-dtype``, default ``auto``: bf16 gradients where nothing accumulates, i.e. on one GPU);
 * ``ours_base``: our model, full attention on every layer, our MoE layer, plain top-k;
 * ``ours_full``: KDA 3:1 (``KKKA``), quantile balancing in both modes (``qb_both``, capacity
   factor 1.25), Block AttnRes (N = 8);
@@ -77,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--long-micro-batch", type=int, default=None, help="micro-batch of the 16k rows (default 1)")
     p.add_argument("--stock-attention", choices=("dpa", "sdpa"), default="dpa",
                    help="stock core attention: Megatron's DotProductAttention or our SDPA module")
+    p.add_argument("--main-grad-dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="gradient buffer of the ours_* rows (wrap_ddp's main_grad_dtype; stock keeps fp32): auto = "
+                        "bf16 on one GPU (one micro-batch, nothing accumulates), fp32 otherwise")
     p.add_argument("--profile", default=None, metavar="NAME", choices=VARIANTS,
                    help="instead of timing: profile a few steps of NAME, write its top-20 kernels as markdown")
     p.add_argument("--profile-out", default=None, help="markdown path (default docs/profile-NAME.md)")
@@ -210,12 +214,14 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
         steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
         timing = bench_common.time_training_step(build, config, args.sizes["vocab"], seq, micro_batch,
                                                  warmup, steps, after_step=after_step, profiler=profiler,
-                                                 fast_step=name != "stock")
+                                                 fast_step=name != "stock",
+                                                 main_grad_dtype="fp32" if name == "stock" else args.main_grad_dtype)
         flops_per_token = model_flops_per_token(flops_cfg, seq)
         tokens_per_sec = world * micro_batch * seq / (timing["step_ms"] / 1e3)
         tflops = flops_per_token * tokens_per_sec / world / 1e12  # per GPU
         row.update(step_ms=timing["step_ms"], tokens_per_sec=tokens_per_sec, tflops=tflops,
-                   mfu=tflops / args.peak_tflops, peak_gb=timing["peak_gb"], flops_per_token=flops_per_token)
+                   mfu=tflops / args.peak_tflops, peak_gb=timing["peak_gb"], flops_per_token=flops_per_token,
+                   main_grad_dtype=timing["main_grad_dtype"])
     except Exception as exc:  # keep the other variants' rows; say why this one is missing
         if dist.get_rank() == 0:
             traceback.print_exc()
@@ -259,14 +265,15 @@ def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int)
 
 # --- Output --------------------------------------------------------------------------------------
 def format_table(rows) -> str:
-    header = ("name", "gpus", "seq", "mb", "step ms", "tokens/s", "TFLOP/s", "MFU", "peak GB")
+    header = ("name", "gpus", "seq", "mb", "step ms", "tokens/s", "TFLOP/s", "MFU", "peak GB", "grads")
     lines = [" | ".join(f"{h:>13}" for h in header)]
     for r in rows:
         if r.get("error"):
             cells = [r["name"], r["gpus"], r["seq"], r["micro_batch"], "failed: " + r["error"][:60]]
         else:
             cells = [r["name"], r["gpus"], r["seq"], r["micro_batch"], f"{r['step_ms']:.1f}",
-                     f"{r['tokens_per_sec']:,.0f}", f"{r['tflops']:.1f}", f"{r['mfu']:.1%}", f"{r['peak_gb']:.2f}"]
+                     f"{r['tokens_per_sec']:,.0f}", f"{r['tflops']:.1f}", f"{r['mfu']:.1%}", f"{r['peak_gb']:.2f}",
+                     r.get("main_grad_dtype", "")]
         lines.append(" | ".join(f"{c!s:>13}" for c in cells))
     return "\n".join(lines)
 

@@ -10,15 +10,18 @@ import torch
 
 from kernels.adamw.naive import adamw_step_reference
 
-__all__ = ["adamw_step_", "adamw_step_reference"]
+__all__ = ["adamw_step_", "adamw_step_reference", "GRAD_DTYPES"]
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 step: torch.Tensor, model_param: torch.Tensor | None, *, lr: float, beta1: float, beta2: float,
                 eps: float, weight_decay: float, grad_scale: float = 1.0, use_kernel: bool | None = None) -> None:
     """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (fp32, contiguous, same shape) in place from ``grad``
-    (fp32) times ``grad_scale``, and write the result into ``model_param`` (same shape, any float dtype) when
-    given. ``use_kernel`` defaults to ``param.is_cuda``."""
+    (fp32, or bf16/fp16: widened to fp32 in the kernel, so a bf16 gradient gives the update of its exact fp32
+    copy while moving 2 bytes per element less) times ``grad_scale``, and write the result into
+    ``model_param`` (same shape, any float dtype) when given. ``use_kernel`` defaults to ``param.is_cuda``."""
     tensors = {"grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if model_param is not None:
         tensors["model_param"] = model_param
@@ -26,7 +29,9 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         if t.shape != param.shape or not t.is_contiguous() or t.device != param.device:
             raise ValueError(f"{name} must be contiguous with param's shape {tuple(param.shape)} on {param.device}, "
                              f"got {tuple(t.shape)} on {t.device}")
-        if name != "model_param" and t.dtype != torch.float32:
+        if name == "grad" and t.dtype not in GRAD_DTYPES:
+            raise ValueError(f"grad must be fp32, bf16 or fp16, got {t.dtype}")
+        if name not in ("grad", "model_param") and t.dtype != torch.float32:
             raise ValueError(f"{name} must be fp32, got {t.dtype}")
     if step.dtype != torch.float32 or step.numel() != 1:
         raise ValueError(f"step must be an fp32 scalar tensor, got {step.dtype} {tuple(step.shape)}")

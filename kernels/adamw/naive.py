@@ -7,9 +7,10 @@ import torch
 def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, model_param, *, lr, beta1, beta2, eps,
                          weight_decay, grad_scale=1.0):
     """In place, ``step`` already incremented (fp32 scalar tensor, as torch's fused AdamW keeps it):
-    ``g = grad * grad_scale``; decoupled decay; moments; bias-corrected update; ``model_param`` (the
-    low-precision copy the forward reads, or ``None``) gets the new value rounded once."""
-    g = grad * grad_scale
+    ``g = grad * grad_scale`` in fp32 (a bf16/fp16 ``grad`` is widened first, exactly); decoupled decay;
+    moments; bias-corrected update; ``model_param`` (the low-precision copy the forward reads, or ``None``)
+    gets the new value rounded once."""
+    g = grad.float() * grad_scale
     param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)

@@ -77,6 +77,10 @@ class TrainingConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     bf16: bool = False
+    # Megatron DDP's gradient buffer (megatron_ext.parallel.resolve_main_grad_dtype): fp32 (accumulate and
+    # reduce in fp32), bf16 (Megatron's default: in the bf16 parameters' dtype), or auto: bf16 where that
+    # changes no number (bf16, one micro-batch per step, one rank), else fp32.
+    main_grad_dtype: Literal["fp32", "bf16", "auto"] = "auto"
 
     def __post_init__(self):
         for key in ("micro_batch_size", "seq_length", "train_iters"):
@@ -97,6 +101,10 @@ class TrainingConfig:
             _require(0 <= getattr(self, key) < 1, key, f"must be in [0, 1), got {getattr(self, key)}")
         _require(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
         _require(self.clip_grad >= 0, "clip_grad", f"must be >= 0 (0 disables), got {self.clip_grad}")
+        _require(self.main_grad_dtype in ("fp32", "bf16", "auto"), "main_grad_dtype",
+                 f"one of 'fp32', 'bf16', 'auto', got {self.main_grad_dtype!r}")
+        _require(self.main_grad_dtype != "bf16" or self.bf16, "main_grad_dtype",
+                 "'bf16' needs bf16: true (fp32 parameters keep fp32 gradients); use 'fp32' or 'auto'")
 
 
 @dataclass

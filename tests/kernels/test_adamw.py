@@ -1,6 +1,7 @@
 """Fused AdamW step: the Triton kernel vs the PyTorch reference (CPU: Triton interpreter, fp32 with an fp16
 model copy, in a subprocess started by ``test_cases_under_interpreter``; GPU: bf16 model copy), and the
-reference vs ``torch.optim.AdamW``."""
+reference vs ``torch.optim.AdamW``. A bf16 (or fp16) gradient must give exactly the update of its fp32 copy
+(the kernel widens it in registers; Megatron's optimizer would have made that copy)."""
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ def make_state(n, seed=0, device="cpu"):
                 step=torch.tensor(3.0, device=device))
 
 
-def run(state, model_dtype, use_kernel, grad_scale, hyper=HYPER):
+def run(state, model_dtype, use_kernel, grad_scale, hyper=HYPER, grad_dtype=torch.float32):
     s = {k: v.clone() for k, v in state.items()}
+    s["grad"] = s["grad"].to(grad_dtype)
     model = torch.empty_like(s["param"], dtype=model_dtype) if model_dtype is not None else None
     adamw_step_(s["param"], s["grad"], s["exp_avg"], s["exp_avg_sq"], s["step"], model, **hyper,
                 grad_scale=grad_scale, use_kernel=use_kernel)
@@ -38,6 +40,40 @@ def test_kernel_matches_reference(n, grad_scale):
         torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)  # fp32 bias corrections
         assert not torch.equal(ours[key], state[key])  # it moved
     torch.testing.assert_close(model, ours["param"].half(), rtol=0, atol=0)  # its own fp32 result rounded once
+
+
+def low_precision_grad_state(n, seed, grad_dtype, device="cpu"):
+    """A state whose fp32 gradient holds exactly representable ``grad_dtype`` values (as a bf16 gradient
+    widened into Megatron's fp32 main_grad would)."""
+    state = make_state(n, seed=seed, device=device)
+    state["grad"] = state["grad"].to(grad_dtype).float()
+    return state
+
+
+@interpreter_case
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.37])
+def test_kernel_low_precision_grad_equals_its_fp32_copy(grad_dtype, grad_scale):
+    state = low_precision_grad_state(2500, 11, grad_dtype)
+    narrow, narrow_model = run(state, torch.float16, True, grad_scale, grad_dtype=grad_dtype)
+    wide, wide_model = run(state, torch.float16, True, grad_scale)
+    ref, _ = run(state, torch.float16, False, grad_scale, grad_dtype=grad_dtype)
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(narrow[key], wide[key]), key  # widening is exact: the same fp32 maths
+        torch.testing.assert_close(narrow[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
+        assert not torch.equal(narrow[key], state[key])
+    assert torch.equal(narrow_model, wide_model)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+def test_reference_low_precision_grad_equals_its_fp32_copy(grad_dtype):
+    """The reference widens before scaling (a bf16 ``grad * scale`` would round the product to bf16)."""
+    state = low_precision_grad_state(777, 12, grad_dtype)
+    narrow, narrow_model = run(state, torch.bfloat16, False, 0.37, grad_dtype=grad_dtype)
+    wide, wide_model = run(state, torch.bfloat16, False, 0.37)
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(narrow[key], wide[key]), key
+    assert torch.equal(narrow_model, wide_model)
 
 
 @interpreter_case
@@ -77,8 +113,11 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="exp_avg must be contiguous"):
         adamw_step_(state["param"], state["grad"], state["exp_avg"][:5], state["exp_avg_sq"], state["step"], None,
                     **HYPER)
-    with pytest.raises(ValueError, match="grad must be fp32"):
-        adamw_step_(state["param"], state["grad"].half(), state["exp_avg"], state["exp_avg_sq"], state["step"],
+    with pytest.raises(ValueError, match="grad must be fp32, bf16 or fp16"):
+        adamw_step_(state["param"], state["grad"].double(), state["exp_avg"], state["exp_avg_sq"], state["step"],
+                    None, **HYPER)
+    with pytest.raises(ValueError, match="exp_avg must be fp32"):
+        adamw_step_(state["param"], state["grad"], state["exp_avg"].bfloat16(), state["exp_avg_sq"], state["step"],
                     None, **HYPER)
     with pytest.raises(ValueError, match="step must be an fp32 scalar"):
         adamw_step_(state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"], torch.tensor([1, 2]),
@@ -94,3 +133,18 @@ def test_kernel_on_gpu_matches_reference():
     for key in ("param", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
     assert (model.float() - model_ref.float()).abs().max() <= (model_ref.float().abs() * 2**-8).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernel_on_gpu_bf16_grad_equals_its_fp32_copy():
+    """bf16 main grads: the kernel reading the bf16 gradient gives bit for bit the update of reading its fp32
+    copy, and matches the reference."""
+    state = low_precision_grad_state(3_000_001, 13, torch.bfloat16, device="cuda")
+    narrow, narrow_model = run(state, torch.bfloat16, True, 0.5, grad_dtype=torch.bfloat16)
+    wide, wide_model = run(state, torch.bfloat16, True, 0.5)
+    ref, _ = run(state, torch.bfloat16, False, 0.5, grad_dtype=torch.bfloat16)
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(narrow[key], wide[key]), key
+        torch.testing.assert_close(narrow[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert torch.equal(narrow_model, wide_model)

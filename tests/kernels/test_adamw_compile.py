@@ -1,4 +1,5 @@
-"""The fused AdamW kernel compiles for Hopper (sm_90) without a GPU and spills nothing (bf16 model copy)."""
+"""The fused AdamW kernel compiles for Hopper (sm_90) without a GPU and spills nothing (bf16 model copy; fp32 or
+bf16 gradient)."""
 
 import os
 
@@ -8,13 +9,14 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs the compiling JIT, not the interpreter")
 
 
-def test_kernel_compiles_for_hopper_without_spills():
+@pytest.mark.parametrize("grad", ["*fp32", "*bf16"])  # Megatron's fp32 main grads, or bf16 ones
+def test_kernel_compiles_for_hopper_without_spills(grad):
     from kernels._compile_check import compile_for, resources
     from kernels.adamw import fused
 
     kernel = fused.adamw_step_kernel
     constexprs = dict(HAS_MODEL=True, BLOCK=fused.BLOCK)
-    kinds = dict(model_param="*bf16", n="i64", lr="fp32", beta1="fp32", beta2="fp32", eps="fp32",
+    kinds = dict(grad=grad, model_param="*bf16", n="i64", lr="fp32", beta1="fp32", beta2="fp32", eps="fp32",
                  weight_decay="fp32", grad_scale="fp32")
     signature = {a: kinds.get(a, "*fp32") for a in kernel.arg_names if a not in constexprs}
     used = resources(compile_for(kernel, signature, constexprs, num_warps=fused.NUM_WARPS))

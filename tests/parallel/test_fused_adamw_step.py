@@ -1,5 +1,6 @@
 """use_fused_adamw_step: Megatron's mixed-precision optimizer stepping with kernels.adamw (AdamW + the clip
-coefficient + the bf16 model copy in one pass) gives the update of Megatron's own three-pass step."""
+coefficient + the bf16 model copy in one pass) gives the update of Megatron's own three-pass step; with bf16
+main grads (read in place, no fp32 copy) the same update and grad norm as fp32 main grads of the same values."""
 
 import subprocess
 import sys
@@ -32,14 +33,26 @@ def build(fused, clip):
         speed_patches.scoped_fast_fallbacks(opt)
     return bf16 + [fp32], opt
 
-def train(fused, clip):
+def train(fused, clip, grads="fp32", norms=None):
+    # grads: "fp32" main grads, "bf16" ones for the bf16 params (bf16 main grads), or "fp32_of_bf16": fp32 main
+    # grads holding exactly those bf16 values (what an fp32 buffer holds after one bf16 gradient).
     params, opt = build(fused, clip)
     g = torch.Generator().manual_seed(1)
     for scale in GRAD_SCALES:
         for p in params:
             p.main_grad = torch.randn(p.shape, generator=g) * scale
+            if grads != "fp32" and p.dtype == torch.bfloat16:
+                p.main_grad = p.main_grad.bfloat16()
+                if grads == "fp32_of_bf16":
+                    p.main_grad = p.main_grad.float()
         ok, norm, _ = opt.step()
         assert ok and (norm > 0 or clip == 0)  # Megatron reports no norm when not clipping
+        if norms is not None:
+            norms.append(norm)
+        if grads == "bf16" and fused:  # read in place: no fp32 copy on the main params
+            for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups):
+                for model, main in zip(models, mains):
+                    assert main.grad is None and model.grad is model.main_grad
     masters = [m.detach().clone() for group in opt.fp32_from_float16_groups for m in group]
     return [p.detach().clone() for p in params], masters, opt
 
@@ -64,30 +77,44 @@ try:
     raise SystemExit("switching after a step must fail")
 except ValueError as err:
     assert "before the optimizer's first step" in str(err)
+# bf16 main grads (wrap_ddp(main_grad_dtype="bf16")): the fused step and the grad norm read them in place and
+# give bit for bit the update and norm of fp32 main grads holding the same values; Megatron's own step (it
+# copies them to fp32) too.
+for fused_step in (True, False):
+    norms_wide, norms_narrow = [], []
+    wide, wide_masters, _ = train(fused_step, 1.0, "fp32_of_bf16", norms_wide)
+    narrow, narrow_masters, _ = train(fused_step, 1.0, "bf16", norms_narrow)
+    assert norms_wide == norms_narrow, (norms_wide, norms_narrow)
+    for a, b in zip(wide + wide_masters, narrow + narrow_masters):
+        assert torch.equal(a, b), "bf16 main grads changed the update"
 # Resume: two steps, Megatron's state_dict into a fresh fused optimizer, one more step == three steps.
-def grads_for(params, step):
+def grads_for(params, step, bf16_grads):
     g = torch.Generator().manual_seed(100 + step)
     for p in params:
         p.main_grad = torch.randn(p.shape, generator=g) * GRAD_SCALES[step]
+        if bf16_grads and p.dtype == torch.bfloat16:
+            p.main_grad = p.main_grad.bfloat16()
 
-through, through_opt = build(True, 1.0)
-for step in range(3):
-    grads_for(through, step)
-    through_opt.step()
-first, first_opt = build(True, 1.0)
-for step in range(2):
-    grads_for(first, step)
-    first_opt.step()
-state = first_opt.state_dict()
-resumed, resumed_opt = build(True, 1.0)
-with torch.no_grad():
-    for dst, src in zip(resumed, first):
-        dst.copy_(src)
-resumed_opt.load_state_dict(state)
-grads_for(resumed, 2)
-resumed_opt.step()
-for a, b in zip(resumed, through):
-    assert torch.equal(a, b), "resume changed the update"
+for bf16_grads in (False, True):  # the optimizer state is the same either way
+    through, through_opt = build(True, 1.0)
+    for step in range(3):
+        grads_for(through, step, bf16_grads)
+        through_opt.step()
+    first, first_opt = build(True, 1.0)
+    for step in range(2):
+        grads_for(first, step, bf16_grads)
+        first_opt.step()
+        first_opt.zero_grad()
+    state = first_opt.state_dict()
+    resumed, resumed_opt = build(True, 1.0)
+    with torch.no_grad():
+        for dst, src in zip(resumed, first):
+            dst.copy_(src)
+    resumed_opt.load_state_dict(state)
+    grads_for(resumed, 2, bf16_grads)
+    resumed_opt.step()
+    for a, b in zip(resumed, through):
+        assert torch.equal(a, b), "resume changed the update"
 # Megatron's own clip is back outside the scoped step and still scales whatever it is given.
 from megatron.core.optimizer import optimizer as mcore_optimizer
 assert mcore_optimizer.clip_grad_by_total_norm_fp32.__module__ == "megatron.core.optimizer.clip_grads"
