@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attn_res.fused import fused_depth_attention_backward, fused_depth_attention_forward
+from kernels.attn_res.fused import fused_depth_attention_backward_sums, fused_depth_attention_forward, parameter_grads
 
 # Position of the first source in FusedDepthAttention.apply's arguments.
 _FIRST_SOURCE = 7
@@ -64,8 +64,10 @@ class FusedDepthAttention(torch.autograd.Function):
                     source_grad.set(current)
                 dests.append(current)
                 returned.append(None)
-        grad_query, grad_norm_weight, grad_out_norm_weight = fused_depth_attention_backward(
+        sums = fused_depth_attention_backward_sums(
             views, query, norm_weight, ctx.eps, out, lse, grad_out.contiguous(), dests, accumulate,
-            needs[0], needs[1], out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2],
+            out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2],
         )
+        grad_query, grad_norm_weight = parameter_grads(sums.g, query, norm_weight, needs[0], needs[1])
+        grad_out_norm_weight = sums.g_out_norm.to(out_norm_weight.dtype) if needs[2] else None
         return grad_query, grad_norm_weight, grad_out_norm_weight, None, None, None, None, *returned
