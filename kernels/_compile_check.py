@@ -30,7 +30,11 @@ def compile_for(kernel, signature: dict, constexprs: dict, num_warps=4, num_stag
 
     sig = {**signature, **{name: "constexpr" for name in constexprs}}
     sig = {name: sig[name] for name in kernel.arg_names}  # kernel's argument order
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    attrs = {}
+    for name in aligned:  # a tuple of pointers: each of its members
+        index = kernel.arg_names.index(name)
+        members = [(index, j) for j in range(len(sig[name]))] if isinstance(sig[name], tuple) else [(index,)]
+        attrs.update({key: [["tt.divisibility", 16]] for key in members})
     source = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", capability, 32)
     return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})

@@ -98,6 +98,9 @@ class HybridConfig(TransformerConfig):
     # norm modules and their weights stay as they are (same checkpoint keys); norms other than
     # megatron_ext.layers.norm.RMSNorm run separately.
     attn_res_fuse_norm: bool = True
+    # With in-place source grads and the Triton kernels: the attention and MLP mixers of a layer
+    # share one backward pass over the blocks both read (kernels/attn_res/pair.py).
+    attn_res_pair_backward: bool = True
     # The LM loss through kernels.cross_entropy (megatron_ext/layers/lm_loss.py): the logits read once
     # forward and once backward, no fp32 copy of them. False: Megatron's vocab_parallel_cross_entropy.
     fused_cross_entropy: bool = True
@@ -225,6 +228,7 @@ USER_FIELDS = (
     "attn_res_impl",
     "attn_res_inplace_source_grads",
     "attn_res_fuse_norm",
+    "attn_res_pair_backward",
     "fused_cross_entropy",
     "recompute_granularity",
     "recompute_method",

@@ -66,17 +66,22 @@ def parse_args(argv=None):
                    help="AttnRes with autograd's per-call source-gradient sums (attn_res_inplace_source_grads=False)")
     p.add_argument("--no-fuse-norm", dest="fuse_norm", action="store_false",
                    help="AttnRes with the sublayer norms run separately on the mix (attn_res_fuse_norm=False)")
+    p.add_argument("--ab-backward", action="store_true",
+                   help="also time the AttnRes step with the depth-attention backward as on main (streaming kernel, "
+                        "no paired backward), in the same process: attnres_main_backward_step_ms")
     p.add_argument("--profile", choices=("standard", "attnres"), default=None,
                    help="instead of timing: profile 3 training steps of one model, print kernel and operator tables")
     return p.parse_args(argv)
 
 
-def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True, fuse_norm: bool = True):
+def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True, fuse_norm: bool = True,
+                pair_backward: bool = True):
     from megatron_ext.config import HybridConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     extra = dict(attn_res=True, attn_res_num_blocks=ATTN_RES_BLOCKS,
-                 attn_res_inplace_source_grads=inplace_source_grads, attn_res_fuse_norm=fuse_norm) if attn_res else {}
+                 attn_res_inplace_source_grads=inplace_source_grads, attn_res_fuse_norm=fuse_norm,
+                 attn_res_pair_backward=pair_backward) if attn_res else {}
     return HybridConfig(bf16=bf16, params_dtype=torch.float32, pipeline_dtype=dtype,
                         use_cpu_initialization=not bf16, **model, **extra)
 
@@ -152,11 +157,25 @@ def run(args) -> dict:
     attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True,
                                               inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm),
                                   shape, steps, warmup)
+    ab = {}
+    if args.ab_backward:  # the backward as on main: streaming kernel, every mixer's backward on its own
+        import kernels.attn_res.fused as fused
+
+        kernel_before, fused.BACKWARD_KERNEL = fused.BACKWARD_KERNEL, "stream"
+        try:
+            main_backward = time_training_step(
+                make_config(model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads,
+                            fuse_norm=args.fuse_norm, pair_backward=False), shape, steps, warmup)
+        finally:
+            fused.BACKWARD_KERNEL = kernel_before
+        ab = {"attnres_main_backward_step_ms": main_backward["step_ms"],
+              "attnres_main_backward_peak_mem_gb": main_backward["peak_mem_gb"]}
     dtype = torch.bfloat16 if cuda else torch.float32
     kernel = time_depth_attention(shape, model["hidden_size"], dtype, steps, warmup, cuda)
     return {
         "standard_step_ms": standard["step_ms"],
         "attnres_step_ms": attn_res["step_ms"],
+        **ab,
         "standard_peak_mem_gb": standard["peak_mem_gb"],
         "attnres_peak_mem_gb": attn_res["peak_mem_gb"],
         **kernel,
@@ -166,6 +185,7 @@ def run(args) -> dict:
             "model": model, **shape, "attn_res_num_blocks": ATTN_RES_BLOCKS, "dtype": str(dtype),
             "mlp": "dense SwiGLU", "steps": steps, "warmup": warmup, "smoke": not cuda,
             "attn_res_inplace_source_grads": args.inplace_source_grads, "attn_res_fuse_norm": args.fuse_norm,
+            "attn_res_pair_backward": True,
         },
     }
 
@@ -174,6 +194,8 @@ def print_table(r: dict) -> None:
     rows = [
         ("training step, standard residuals", f"{r['standard_step_ms']:.2f} ms", f"{r['standard_peak_mem_gb']:.2f} GB"),
         ("training step, Block AttnRes N=8", f"{r['attnres_step_ms']:.2f} ms", f"{r['attnres_peak_mem_gb']:.2f} GB"),
+        *([("  ... with main's backward (A/B)", f"{r['attnres_main_backward_step_ms']:.2f} ms",
+             f"{r['attnres_main_backward_peak_mem_gb']:.2f} GB")] if "attnres_main_backward_step_ms" in r else []),
         ("depth attention fwd+bwd, Triton", f"{r['kernel_ms']:.3f} ms", ""),
         ("depth attention fwd+bwd, PyTorch", f"{r['reference_ms']:.3f} ms", ""),
     ]

@@ -13,6 +13,13 @@ counted against it.
 ``fused.BACKWARD_TILE_ELEMENTS``) and report them under ``sweep``; the defaults in
 ``kernels/attn_res/fused.py`` should be set to the best of these.
 
+``--schedule``: also time one training step's depth-attention calls (N = 8 blocks over 16
+sublayers and the final mix: n = 1, 2, 2, 3, 3, ..., 9, 9; blocks' grads summed in place, the
+sublayer norms fused, stand-in sublayers ``p = x / 2``) forward + backward, with the backward as
+on main (``stream``: streaming kernel, each mixer's backward on its own), the preload kernel alone
+(``preload``) and the preload kernel with the attention/MLP mixers' backwards paired
+(``preload+pair``, the default): the A/B of the backward in one process, under ``schedule``.
+
 ``--smoke``: tiny fp32 shapes on the CPU under Triton's interpreter (wall-clock median
 instead of do_bench, no memory numbers); checks the code paths, not the speed. JSON is
 written only when ``--out`` is given.
@@ -42,6 +49,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help=f"JSON path (GPU default: {DEFAULT_OUT}; smoke: none)")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU Triton interpreter")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel over tile sizes")
+    parser.add_argument("--schedule", action="store_true",
+                        help="also time one step's 17 depth-attention calls: main's backward vs preload vs preload+pair")
     return parser.parse_args(argv)
 
 
@@ -180,6 +189,78 @@ def sweep_tiles(n, tokens, hidden, device, dtype_name, smoke):
     return sweep
 
 
+SCHEDULE_VARIANTS = {  # name: (fused.BACKWARD_KERNEL, pair the layer's two mixers)
+    "stream": ("stream", False), "preload": ("preload", False), "preload+pair": ("preload", True),
+}
+
+
+def schedule_step(device, dtype, tokens, hidden, layers=8, seed=0):
+    """(forward+backward closure, its leaves) for one training step's depth-attention calls as
+    the model makes them with blocks of 2 sublayers (``megatron_ext/attn_res``): each layer's
+    attention mixer over the blocks, a stand-in sublayer ``p = x / 2``, the MLP mixer over the
+    blocks + p (paired with the attention mixer when asked), the block closed as ``p + y / 2``;
+    then the final mix over all blocks. Every block tracked (in-place grads), norms fused."""
+    import torch
+
+    from kernels.attn_res import DepthPair, depth_attention, track_source_grad
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    embedding = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype).requires_grad_(True)
+
+    def param(scale, offset=0.0):
+        return (offset + scale * torch.randn(hidden, generator=gen, device=device)).requires_grad_(True)
+
+    mixers = [(param(0.1), param(0.1, 1.0), param(0.1, 1.0)) for _ in range(2 * layers + 1)]
+    grad_out = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+
+    def step(pair_on):
+        tracked, source_grad = track_source_grad(embedding)
+        blocks, grads = [tracked], [source_grad]
+        for k in range(layers):
+            (q1, g1, o1), (q2, g2, o2) = mixers[2 * k], mixers[2 * k + 1]
+            pair = DepthPair(q2, g2) if pair_on else None
+            x = depth_attention(blocks, q1, g1, impl="triton", source_grads=grads, out_norm_weight=o1,
+                                pair=pair and pair.first)
+            p = x * 0.5
+            y = depth_attention(blocks + [p], q2, g2, impl="triton", source_grads=grads + [None], out_norm_weight=o2,
+                                pair=pair and pair.second)
+            block, block_grad = track_source_grad(p + y * 0.5)
+            blocks, grads = blocks + [block], grads + [block_grad]
+        q, g, o = mixers[-1]
+        out = depth_attention(blocks, q, g, impl="triton", source_grads=grads, out_norm_weight=o)
+        leaves = [embedding, *[t for m in mixers for t in m]]
+        return torch.autograd.grad(out, leaves, grad_out)
+
+    return step
+
+
+def time_schedule(device, dtype_name, tokens, hidden, smoke):
+    """Forward+backward ms of one step's depth-attention calls per backward variant, and each
+    variant's max relative difference to ``stream`` (its grads)."""
+    import torch
+
+    import kernels.attn_res.fused as fused
+
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    step = schedule_step(device, dtype, tokens, hidden, layers=2 if smoke else 8)
+    kernel_before = fused.BACKWARD_KERNEL
+    result, grads = {"T": tokens, "h": hidden, "dtype": dtype_name, "ms": {}, "max_rel_diff_vs_stream": {}}, {}
+    try:
+        for name, (kernel, pair_on) in SCHEDULE_VARIANTS.items():
+            fused.BACKWARD_KERNEL = kernel
+            grads[name] = step(pair_on)
+            result["ms"][name] = median_ms(lambda pair_on=pair_on: step(pair_on), smoke)
+    finally:
+        fused.BACKWARD_KERNEL = kernel_before
+    for name in SCHEDULE_VARIANTS:
+        result["max_rel_diff_vs_stream"][name] = max(
+            ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+            for a, b in zip(grads[name], grads["stream"]))
+    print("step schedule fwd+bwd ms: " + _fmt(result["ms"]) + "; saving vs stream: "
+          + ", ".join(f"{k}: {result['ms']['stream'] - v:.3f}" for k, v in result["ms"].items() if k != "stream"))
+    return result
+
+
 def _fmt(times):
     return ", ".join(f"{tile}: {ms:.3f}" for tile, ms in times.items())
 
@@ -211,6 +292,10 @@ def main(argv=None):
     rows = [bench_shape(n, t, h, device, dtype_name, args.smoke) for n, t, h in shapes]
     print_table(rows)
     sweeps = [sweep_tiles(n, t, h, device, dtype_name, args.smoke) for n, t, h in shapes] if args.sweep else None
+    schedule = None
+    if args.schedule:
+        _, tokens, hidden = shapes[0]
+        schedule = time_schedule(device, dtype_name, tokens, hidden, args.smoke)
     if out_path:
         from tools.bench_common import write_kernel_report
 
@@ -218,7 +303,7 @@ def main(argv=None):
             out_path, "kernels.attn_res.depth_attention (fused Triton) vs depth_attention_reference (eager)",
             not args.smoke, "median ms, triton.testing.do_bench" if not args.smoke else "median wall ms of 3 (smoke)",
             rows, note="kernel gets a list of sources; reference gets them pre-stacked (stack cost not counted)",
-            sweep=sweeps)
+            sweep=sweeps, schedule=schedule)
 
 if __name__ == "__main__":
     repo_root = Path(__file__).resolve().parents[1]

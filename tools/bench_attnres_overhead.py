@@ -42,7 +42,8 @@ class _NoLaunch:
 
 
 def _patch_kernels():
-    for name in ("_depth_attention_fwd_kernel", "_depth_attention_bwd_kernel", "_depth_attention_finish_kernel"):
+    for name in ("_depth_attention_fwd_kernel", "_depth_attention_bwd_kernel", "_depth_attention_bwd_preload_kernel",
+                 "_depth_attention_finish_kernel"):
         if hasattr(fused, name):
             setattr(fused, name, _NoLaunch())
 

@@ -16,7 +16,9 @@ Entry point: :func:`depth_attention`. Implementations:
 * ``"auto"``: ``"triton"`` for CUDA tensors, ``"torch"`` otherwise.
 
 Sources read by many calls can have their gradients summed in place (``grads.py``:
-``track_source_grad`` / ``SourceGrad``, the ``source_grads`` argument).
+``track_source_grad`` / ``SourceGrad``, the ``source_grads`` argument). Two calls sharing their
+leading tracked sources can share one backward pass over them (``pair.py``: ``DepthPair``, the
+``pair`` argument).
 :func:`depth_attention_unchecked` is the same op without the input checks, for a caller that
 checked once (the model's ``DepthMixer``): it saves the per-call host work.
 """
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.attn_res.grads import SourceGrad, track_source_grad
+from kernels.attn_res.pair import DepthPair
 from kernels.attn_res.naive import (
     depth_attention_norm_reference,
     depth_attention_recompute,
@@ -37,7 +40,7 @@ from kernels.attn_res.naive import (
 
 __all__ = [
     "depth_attention", "depth_attention_reference", "depth_attention_norm_reference",
-    "track_source_grad", "SourceGrad",
+    "track_source_grad", "SourceGrad", "DepthPair",
     "depth_attention_unchecked", "resolve_impl", "IMPLEMENTATIONS", "SUPPORTED_DTYPES",
 ]
 
@@ -56,6 +59,7 @@ def depth_attention(
     source_grads: Sequence[SourceGrad | None] | None = None,
     out_norm_weight: torch.Tensor | None = None,
     out_norm_eps: float = 1e-6,
+    pair=None,
 ) -> torch.Tensor:
     """Softmax-weighted mix of n sources over depth, one weight per (token, source).
 
@@ -77,6 +81,10 @@ def depth_attention(
             consumer's norm, fused into the op): returns
             ``out * rsqrt(mean(out^2) + out_norm_eps) * out_norm_weight`` instead of ``out``.
         out_norm_eps: that norm's epsilon.
+        pair: optional, with a list of sources only: ``DepthPair.first`` or ``.second`` of a
+            :class:`DepthPair` linking this call with another that reads the same leading
+            (tracked) sources; their backwards then read those sources once (``pair.py``).
+            Ignored by the ``torch`` implementation.
 
     Returns:
         ``[s, b, h]`` (one source's shape) in the sources' dtype; accumulation is fp32.
@@ -96,9 +104,13 @@ def depth_attention(
     eps, out_norm_eps = float(eps), float(out_norm_eps)
     if stacked:
         if impl == "triton":
-            return _fused_function().apply(query, norm_weight, out_norm_weight, eps, out_norm_eps, True, None, flat[0])
+            return _fused_function().apply(
+                query, norm_weight, out_norm_weight, None, None, eps, out_norm_eps, True, None, None, flat[0]
+            )
         return depth_attention_recompute(flat[0], query, norm_weight, eps, None, out_norm_weight, out_norm_eps)
-    return depth_attention_unchecked(flat, query, norm_weight, eps, impl, source_grads, out_norm_weight, out_norm_eps)
+    return depth_attention_unchecked(
+        flat, query, norm_weight, eps, impl, source_grads, out_norm_weight, out_norm_eps, pair
+    )
 
 
 def depth_attention_unchecked(
@@ -110,6 +122,7 @@ def depth_attention_unchecked(
     source_grads: Sequence[SourceGrad | None] | None = None,
     out_norm_weight: torch.Tensor | None = None,
     out_norm_eps: float = 1e-6,
+    pair=None,
 ) -> torch.Tensor:
     """:func:`depth_attention` without its checks, for callers that made them once.
 
@@ -121,8 +134,10 @@ def depth_attention_unchecked(
     device, ``out_norm_eps`` a float. ``DepthMixer`` calls it after one checked call.
     """
     if impl == "triton":
+        partner = (pair.pair.second_query, pair.pair.second_norm_weight) if pair is not None and pair.index == 0 else (
+            None, None)
         return _fused_function().apply(
-            query, norm_weight, out_norm_weight, eps, out_norm_eps, False, source_grads, *sources
+            query, norm_weight, out_norm_weight, *partner, eps, out_norm_eps, False, source_grads, pair, *sources
         )
     return depth_attention_recompute(sources, query, norm_weight, eps, source_grads, out_norm_weight, out_norm_eps)
 

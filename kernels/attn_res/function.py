@@ -4,22 +4,33 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attn_res.fused import fused_depth_attention_backward, fused_depth_attention_forward
+from kernels.attn_res import fused, pair
+from kernels.attn_res.fused import (
+    PairedCall,
+    fused_depth_attention_backward_sums,
+    fused_depth_attention_forward,
+    parameter_grads,
+)
 
 # Position of the first source in FusedDepthAttention.apply's arguments.
-_FIRST_SOURCE = 7
+_FIRST_SOURCE = 10
 
 
 class FusedDepthAttention(torch.autograd.Function):
     """Saves the sources, query, norm weight, the output and ``lse`` (fp32 [T]); one-pass backward.
 
-    ``apply(query, norm_weight, out_norm_weight, eps, out_norm_eps, stacked, source_grads, *sources)``:
+    ``apply(query, norm_weight, out_norm_weight, partner_query, partner_norm_weight, eps,
+    out_norm_eps, stacked, source_grads, pair_role, *sources)``:
     with ``stacked`` one contiguous ``[n, ..., h]`` tensor is given (its grad comes back as one
     tensor); otherwise n contiguous ``[..., h]`` tensors (no views are made: the kernels index
     them as ``[T, h]``). ``source_grads`` is ``None`` or one
     :class:`~kernels.attn_res.grads.SourceGrad` (or ``None``) per source: a source with one gets
     its grad added into that buffer by the kernel and returns ``None`` to autograd; the others get
     a fresh tensor each.
+
+    ``pair_role``: ``None`` or ``DepthPair.first`` / ``.second`` (``pair.py``); with ``.first``,
+    ``partner_query`` / ``partner_norm_weight`` are the second call's parameters (this call's
+    backward may return their grads), otherwise ``None``.
 
     ``out_norm_weight`` ``None``: returns the mix ``out``, which is saved for ``c = dout . out``;
     it is the tensor its consumer (the sublayer's input norm) keeps for its own backward, so no
@@ -29,11 +40,19 @@ class FusedDepthAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, norm_weight, out_norm_weight, eps, out_norm_eps, stacked, source_grads, *sources):
+    def forward(ctx, query, norm_weight, out_norm_weight, partner_query, partner_norm_weight, eps, out_norm_eps,
+                stacked, source_grads, pair_role, *sources):
         ctx.stacked = stacked
         ctx.source_grads = source_grads
         views = tuple(sources[0].unbind(0)) if stacked else sources
         ctx.eps, ctx.out_norm_eps = eps, out_norm_eps
+        ctx.pair_role, ctx.shared = (None, 0) if stacked else (pair_role, 0)
+        if ctx.pair_role is not None:
+            norm_out = out_norm_weight is not None
+            if pair_role.index == 0:
+                pair_role.pair.record_first(sources, source_grads, eps, norm_out)
+            else:
+                ctx.shared = pair_role.pair.shared_count(sources, source_grads, eps, norm_out)
         out, lse, normed, out_rstd = fused_depth_attention_forward(
             views, query, norm_weight, eps, out_norm_weight, out_norm_eps
         )
@@ -44,14 +63,18 @@ class FusedDepthAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, norm_weight, out, lse, out_norm_weight, out_rstd, *sources = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        grad_out = grad_out.contiguous()
+        role = ctx.pair_role
+        # Second call of a pair: leave the shared sources to the first call's backward.
+        shared = ctx.shared if (role is not None and pair.PAIR_BACKWARD and fused.BACKWARD_KERNEL == "preload") else 0
         if ctx.stacked:
             grad_stacked = torch.empty_like(sources[0])
             views, dests, accumulate = tuple(sources[0].unbind(0)), tuple(grad_stacked.unbind(0)), ()
             returned = [grad_stacked if needs[_FIRST_SOURCE] else None]
         else:
-            views, dests, accumulate, returned = tuple(sources), [], [], []
+            views, dests, accumulate, returned = tuple(sources), [], [], [None] * shared
             source_grads = ctx.source_grads or (None,) * len(views)
-            for v, source_grad, need in zip(views, source_grads, needs[_FIRST_SOURCE:]):
+            for v, source_grad, need in zip(views[shared:], source_grads[shared:], needs[_FIRST_SOURCE + shared:]):
                 if source_grad is None:
                     dests.append(torch.empty_like(v))
                     accumulate.append(False)
@@ -64,8 +87,29 @@ class FusedDepthAttention(torch.autograd.Function):
                     source_grad.set(current)
                 dests.append(current)
                 returned.append(None)
-        grad_query, grad_norm_weight, grad_out_norm_weight = fused_depth_attention_backward(
-            views, query, norm_weight, ctx.eps, out, lse, grad_out.contiguous(), dests, accumulate,
-            needs[0], needs[1], out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2],
-        )
-        return grad_query, grad_norm_weight, grad_out_norm_weight, None, None, None, None, *returned
+        grad_partner_query = grad_partner_norm_weight = None
+        if shared:  # the second call of a pair: its own sources only, the rest deferred
+            sums = fused_depth_attention_backward_sums(
+                views[shared:], query, norm_weight, ctx.eps, out, lse, grad_out, dests, accumulate,
+                out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2], subset=True,
+            )
+            call = PairedCall(shared, query, norm_weight, out, grad_out, lse, out_norm_weight, out_rstd,
+                              ctx.out_norm_eps)
+            role.pair.defer(call, sums.g, needs[:2], ctx.source_grads[:shared])
+            grad_query = grad_norm_weight = None  # returned by the first call's backward
+        else:
+            deferred = role.pair.take() if role is not None and role.index == 0 else None
+            sums = fused_depth_attention_backward_sums(
+                views, query, norm_weight, ctx.eps, out, lse, grad_out, dests, accumulate,
+                out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2],
+                paired=None if deferred is None else deferred.call,
+            )
+            grad_query, grad_norm_weight = parameter_grads(sums.g, query, norm_weight, needs[0], needs[1])
+            if deferred is not None:
+                g2 = sums.g2 + deferred.g
+                grad_partner_query, grad_partner_norm_weight = parameter_grads(
+                    g2, deferred.call.query, deferred.call.norm_weight, needs[3], needs[4]
+                )
+        grad_out_norm_weight = sums.g_out_norm.to(out_norm_weight.dtype) if needs[2] else None
+        return (grad_query, grad_norm_weight, grad_out_norm_weight, grad_partner_query, grad_partner_norm_weight,
+                None, None, None, None, None, *returned)

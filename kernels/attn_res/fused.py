@@ -194,6 +194,142 @@ def _depth_attention_bwd_kernel(
         tl.store(partial_g_out_norm_ptr + pid.to(tl.int64) * H + cols, g_out_norm_acc, mask=col_mask)
 
 
+@triton.jit
+def _add_five(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1
+
+
+@triton.jit
+def _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT: tl.constexpr):
+    """(dout, c = dout . out) of one call from its loaded ``dy`` and ``out`` rows (fp32): with
+    ``NORM_OUT`` ``dy`` is the grad of ``RMSNorm(out)`` and the norm's backward runs first."""
+    if NORM_OUT:
+        gy = dy * gamma_out[None, :]
+        dot = tl.sum(gy * out, axis=1)
+        r3 = out_rstd * out_rstd * out_rstd
+        dout = out_rstd[:, None] * gy - (r3 * dot / H)[:, None] * out
+        c = out_norm_eps * r3 * dot  # = dout . out, exactly (module docstring)
+    else:
+        dout = dy
+        c = tl.sum(dy * out, axis=1)
+    return dout, c
+
+
+@triton.jit
+def _depth_attention_bwd_preload_kernel(
+    src_ptrs, grad_ptrs, query_ptr, norm_weight_ptr, out_ptr, grad_out_ptr, lse_ptr, partial_g_ptr,
+    out_norm_weight_ptr, out_rstd_ptr, partial_g_out_norm_ptr,
+    query2_ptr, norm_weight2_ptr, out2_ptr, grad_out2_ptr, lse2_ptr, out_norm_weight2_ptr, out_rstd2_ptr,
+    partial_g2_ptr,
+    T, H, eps, out_norm_eps, out_norm_eps2,
+    N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, OUT_NORM_GRAD: tl.constexpr,
+):
+    """The backward with every load of a token tile issued before any store (``dy``, ``out``, the
+    n sources, the old grads being added to), kept in registers as loaded (tuples over the
+    unrolled sources); then the reductions and the grads, stored source by source. The streaming
+    kernel above could only prefetch one source ahead (its stores might alias the next loads).
+
+    ``SUBSET``: the sources are some of the call's (``lse`` covers all of them), so one source
+    does not mean a constant softmax. ``PAIRED`` > 0: the first PAIRED sources also get the
+    gradient of a second call that read them (same key-norm eps; its ``dy``, ``out``, ``lse``,
+    query, norm weight, output-norm weight and rstd under the ``*2`` names): each shared source
+    is read, and its grad written, once for both calls; the second call's ``g`` over those
+    sources goes to ``partial_g2``. ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    g_acc = tl.zeros([BLOCK_H], tl.float32)
+    if NORM_OUT and OUT_NORM_GRAD:
+        g_out_norm_acc = tl.zeros([BLOCK_H], tl.float32)
+    if PAIRED > 0:
+        g2_acc = tl.zeros([BLOCK_H], tl.float32)
+
+    for tile in range(pid, tl.cdiv(T, BLOCK_T), num_programs):
+        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_mask = rows < T
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+        # -- every load of the tile first --------------------------------------------------
+        dy_raw = tl.load(grad_out_ptr + offs, mask=mask, other=0.0)
+        out_raw = tl.load(out_ptr + offs, mask=mask, other=0.0)
+        if PAIRED > 0:
+            dy2_raw = tl.load(grad_out2_ptr + offs, mask=mask, other=0.0)
+            out2_raw = tl.load(out2_ptr + offs, mask=mask, other=0.0)
+        vs = ()
+        for i in tl.static_range(N):
+            vs = vs + (tl.load(src_ptrs[i] + offs, mask=mask, other=0.0),)
+        olds = ()
+        for i in tl.static_range(N):
+            if (ACCUMULATE >> i) & 1:
+                olds = olds + (tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0),)
+            else:
+                olds = olds + (vs[i],)  # placeholder, never read
+        lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+        # [h] vectors: loaded per tile (cache hits); held across the loop they cost registers.
+        u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dy = dy_raw.to(tl.float32)
+        out = out_raw.to(tl.float32)
+        if NORM_OUT:
+            out_rstd = tl.load(out_rstd_ptr + rows, mask=row_mask, other=0.0)
+            gamma_out = tl.load(out_norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if OUT_NORM_GRAD:
+                g_out_norm_acc += tl.sum(dy * out * out_rstd[:, None], axis=0)
+        else:
+            out_rstd = lse
+            gamma_out = u
+        dout, c = _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT)
+        if PAIRED > 0:
+            lse2 = tl.load(lse2_ptr + rows, mask=row_mask, other=0.0)
+            u2 = tl.load(query2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            u2 = u2 * tl.load(norm_weight2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if NORM_OUT:
+                out_rstd2 = tl.load(out_rstd2_ptr + rows, mask=row_mask, other=0.0)
+                gamma_out2 = tl.load(out_norm_weight2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            else:
+                out_rstd2 = lse2
+                gamma_out2 = u2
+            dout2, c2 = _mix_output_grad(dy2_raw.to(tl.float32), out2_raw.to(tl.float32), out_rstd2, gamma_out2, H,
+                                         out_norm_eps2, NORM_OUT)
+        # -- per source: reductions, grad, store ----------------------------------------------
+        for i in tl.static_range(N):
+            v = vs[i].to(tl.float32)
+            if i < PAIRED:
+                square_sum, vu, da, vu2, da2 = tl.reduce(
+                    (v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2), 1, _add_five)
+            else:
+                square_sum, vu, da = tl.reduce((v * v, v * u[None, :], v * dout), 1, _add_triple)
+            rstd = tl.rsqrt(square_sum / H + eps)
+            logit = vu * rstd
+            a = tl.exp(logit - lse)
+            coef = a * (da - c) * rstd  # dlogit_i * r_i
+            if N == 1 and not SUBSET:  # the call's only source: a = 1, dlogit = 0 exactly
+                a = tl.full([BLOCK_T], 1.0, tl.float32)
+                coef = tl.zeros([BLOCK_T], tl.float32)
+            g_acc += tl.sum(coef[:, None] * v, axis=0)
+            if i < PAIRED:
+                logit2 = vu2 * rstd
+                a2 = tl.exp(logit2 - lse2)
+                coef2 = a2 * (da2 - c2) * rstd
+                g2_acc += tl.sum(coef2[:, None] * v, axis=0)
+                scale_v = (coef * logit + coef2 * logit2) * rstd / H
+                dv = (a[:, None] * dout + a2[:, None] * dout2 + coef[:, None] * u[None, :]
+                      + coef2[:, None] * u2[None, :] - scale_v[:, None] * v)
+            else:
+                dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
+            if (ACCUMULATE >> i) & 1:
+                dv += olds[i].to(tl.float32)
+            tl.store(grad_ptrs[i] + offs, dv.to(grad_ptrs[i].dtype.element_ty), mask=mask)
+
+    tl.store(partial_g_ptr + pid.to(tl.int64) * H + cols, g_acc, mask=col_mask)
+    if NORM_OUT and OUT_NORM_GRAD:
+        tl.store(partial_g_out_norm_ptr + pid.to(tl.int64) * H + cols, g_out_norm_acc, mask=col_mask)
+    if PAIRED > 0:
+        tl.store(partial_g2_ptr + pid.to(tl.int64) * H + cols, g2_acc, mask=col_mask)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Tile shape of one program: BLOCK_T tokens by BLOCK_H (h padded to a power of two)."""
@@ -237,6 +373,10 @@ FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one 
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
 BACKWARD_NORM_VALUES_PER_THREAD = 4  # backward with the fused output norm (backward_launch_config)
+# Which backward kernel: "preload" (every load of a tile before any store; needed for the
+# paired / subset backward) or "stream" (the earlier one: one source prefetched ahead).
+BACKWARD_KERNEL = "preload"
+BACKWARD_PRELOAD_VALUES_PER_THREAD = 4  # 16 warps at h = 2048; n = 9 needs 109 registers (1 program per SM)
 _resident_programs: dict = {}
 _PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
@@ -304,6 +444,149 @@ def fused_depth_attention_forward(
     return out, lse, normed, out_rstd
 
 
+@dataclass(frozen=True)
+class PairedCall:
+    """A second depth-attention call whose first ``count`` sources are the first ``count``
+    sources of the call being differentiated (same tensors, same key-norm ``eps``, both with or
+    both without the fused output norm): its backward inputs. The paired backward adds its
+    gradient for those sources in the same pass (``_depth_attention_bwd_preload_kernel``,
+    ``PAIRED``)."""
+
+    count: int
+    query: torch.Tensor
+    norm_weight: torch.Tensor
+    out: torch.Tensor
+    grad_out: torch.Tensor
+    lse: torch.Tensor
+    out_norm_weight: torch.Tensor | None
+    out_rstd: torch.Tensor | None
+    out_norm_eps: float
+
+
+@dataclass
+class BackwardSums:
+    """fp32 ``[h]`` sums of one backward launch: ``g`` (this call's ``sum dlogit r v``; ``dw = g
+    gamma``, ``dgamma = g w``), ``g_out_norm`` (``dgamma_o``, with the fused norm) and ``g2`` (the
+    paired call's ``g`` over the shared sources)."""
+
+    g: torch.Tensor
+    g_out_norm: torch.Tensor | None = None
+    g2: torch.Tensor | None = None
+
+
+@triton.jit
+def _depth_attention_finish_kernel(
+    partial_ptr, out_ptr, P, H, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """``out[k] = sum_p partial[k, p]`` for the ROWS ``[P, h]`` partial-sum arrays stacked in
+    ``partial`` (``[ROWS, P, h]``): one launch for all of them, in a fixed order (deterministic)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < H
+    for k in tl.static_range(ROWS):
+        acc = tl.zeros([BLOCK], tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            prow = p0 + tl.arange(0, BLOCK_P)
+            offs = (k * P + prow).to(tl.int64)[:, None] * H + cols[None, :]
+            acc += tl.sum(tl.load(partial_ptr + offs, mask=(prow < P)[:, None] & col_mask[None, :], other=0.0), axis=0)
+        tl.store(out_ptr + k * H + cols, acc, mask=col_mask)
+
+
+FINISH_BLOCK, FINISH_BLOCK_P = 128, 16
+
+
+def fused_depth_attention_backward_sums(
+    sources: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    grad_sources: Sequence[torch.Tensor],
+    accumulate: Sequence[bool],
+    out_norm_weight: torch.Tensor | None = None,
+    out_norm_eps: float = 0.0,
+    out_rstd: torch.Tensor | None = None,
+    need_out_norm_weight: bool = False,
+    subset: bool = False,
+    paired: PairedCall | None = None,
+) -> BackwardSums:
+    """Writes (or, where ``accumulate[i]``, adds) each source's grad into ``grad_sources[i]``
+    (contiguous, the sources' shape) and returns the fp32 sums (:class:`BackwardSums`). With
+    ``out_norm_weight`` (and the forward's ``out_rstd``), ``grad_out`` is the grad of ``normed =
+    RMSNorm(out)``. ``subset``: ``sources`` are only some of the call's sources (its ``lse``
+    covers all). ``paired``: also the gradient of a second call for the first ``paired.count``
+    sources (added into the same grads; its ``g`` over them in ``g2``). ``subset`` and
+    ``paired`` need the preload kernel (``BACKWARD_KERNEL``)."""
+    T, H = _tokens(sources[0])
+    norm_out = out_norm_weight is not None
+    device = grad_out.device
+    preload = BACKWARD_KERNEL == "preload"
+    if (subset or paired is not None) and not preload:
+        raise ValueError("subset / paired backward needs fused.BACKWARD_KERNEL = 'preload'")
+    if paired is not None and (paired.out_norm_weight is not None) != norm_out:
+        raise ValueError("a paired call must have the fused output norm iff this call has it")
+    rows = 1 + (norm_out and need_out_norm_weight) + (paired is not None)
+    if T == 0:
+        zero = torch.zeros(H, dtype=torch.float32, device=device)
+        return BackwardSums(zero, zero if norm_out else None, zero if paired is not None else None)
+    mask = 0
+    for i, flag in enumerate(accumulate):
+        if flag:
+            mask |= 1 << i
+    n = len(sources)
+    if preload:
+        kernel = _depth_attention_bwd_preload_kernel
+        cfg = launch_config(H, BACKWARD_TILE_ELEMENTS, BACKWARD_PRELOAD_VALUES_PER_THREAD)
+        kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, NORM_OUT=norm_out,
+                      SUBSET=subset, PAIRED=0 if paired is None else paired.count,
+                      OUT_NORM_GRAD=norm_out and need_out_norm_weight)
+    else:
+        kernel = _depth_attention_bwd_kernel
+        cfg = backward_launch_config(H, norm_out)
+        kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
+                      FUSE_REDUCTIONS=BACKWARD_FUSE_REDUCTIONS, PREFETCH=BACKWARD_PREFETCH, NORM_OUT=norm_out)
+    key = (device, kernel, *kwargs.values(), cfg, sources[0].dtype, BACKWARD_PROGRAMS_PER_SM)
+    capacity = _backward_capacities.get(key)
+    programs = max(1, min(-(-T // cfg.block_t), capacity or 1))
+    # One fp32 buffer for every per-program partial-sum array, [rows, programs, h]: g, then
+    # g_out_norm (if computed), then g2 (if paired); the stream kernel always writes g_out_norm.
+    rows_alloc = rows if preload else 1 + norm_out
+    while True:
+        partial = torch.empty((rows_alloc, programs, H), dtype=torch.float32, device=device)
+        row_g_out_norm = partial[1] if (norm_out and (need_out_norm_weight or not preload)) else partial[0]
+        if preload:
+            p2 = paired
+            pointers = (
+                query if p2 is None else p2.query, norm_weight if p2 is None else p2.norm_weight,
+                out if p2 is None else p2.out, grad_out if p2 is None else p2.grad_out, lse if p2 is None else p2.lse,
+                (out_norm_weight if norm_out else norm_weight) if p2 is None or not norm_out else p2.out_norm_weight,
+                (out_rstd if norm_out else lse) if p2 is None or not norm_out else p2.out_rstd,
+                partial[rows - 1] if p2 is not None else partial[0],
+            )
+            args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, partial[0],
+                    out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, row_g_out_norm,
+                    *pointers, T, H, eps, out_norm_eps, out_norm_eps if p2 is None else p2.out_norm_eps]
+        else:
+            args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, partial[0],
+                    out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, row_g_out_norm,
+                    T, H, eps, out_norm_eps]
+        if capacity is not None:
+            break
+        # First call with this key: compile, read the register count, size the grid from it.
+        capacity = _backward_capacities[key] = _backward_capacity(device, kernel, args, kwargs, cfg.num_warps)
+        programs = max(1, min(-(-T // cfg.block_t), capacity))
+    kernel[(programs,)](*args, num_warps=cfg.num_warps, **kwargs)
+    if not preload:
+        sums = partial.sum(dim=1)
+        return BackwardSums(sums[0], sums[1] if norm_out else None)
+    sums = torch.empty((rows, H), dtype=torch.float32, device=device)
+    _depth_attention_finish_kernel[(-(-H // FINISH_BLOCK),)](
+        partial, sums, programs, H, ROWS=rows, BLOCK_P=FINISH_BLOCK_P, BLOCK=FINISH_BLOCK, num_warps=4)
+    return BackwardSums(sums[0], sums[1] if rows - (paired is not None) > 1 else None,
+                        sums[rows - 1] if paired is not None else None)
+
+
 def fused_depth_attention_backward(
     sources: Sequence[torch.Tensor],
     query: torch.Tensor,
@@ -325,45 +608,23 @@ def fused_depth_attention_backward(
     (contiguous, the sources' shape); returns (grad query, grad norm_weight, grad
     out_norm_weight), ``None`` where not needed. With ``out_norm_weight`` (and the forward's
     ``out_rstd``), ``grad_out`` is the grad of ``normed = RMSNorm(out)``."""
-    T, H = _tokens(sources[0])
-    norm_out = out_norm_weight is not None
-    cfg = backward_launch_config(H, norm_out)
-    device = grad_out.device
-    if T == 0:
-        g = torch.zeros(H, dtype=torch.float32, device=device)
-        g_out_norm = g if norm_out else None
-    else:
-        mask = 0
-        for i, flag in enumerate(accumulate):
-            if flag:
-                mask |= 1 << i
-        n = len(sources)
-        key = (device, n, mask, cfg, sources[0].dtype, norm_out, BACKWARD_FUSE_REDUCTIONS, BACKWARD_PREFETCH,
-               BACKWARD_PROGRAMS_PER_SM)
-        kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
-                      FUSE_REDUCTIONS=BACKWARD_FUSE_REDUCTIONS, PREFETCH=BACKWARD_PREFETCH, NORM_OUT=norm_out)
-        args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, None,
-                out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, None,
-                T, H, eps, out_norm_eps]
-        capacity = _backward_capacities.get(key)
-        if capacity is None:  # first call with this key: compile, read the register count
-            args[7] = args[10] = torch.empty((1, H), dtype=torch.float32, device=device)  # stand-ins
-            capacity = _backward_capacities[key] = _backward_capacity(
-                device, _depth_attention_bwd_kernel, args, kwargs, cfg.num_warps
-            )
-        programs = max(1, min(-(-T // cfg.block_t), capacity))
-        args[7] = partial_g = torch.empty((programs, H), dtype=torch.float32, device=device)
-        partial_g_out_norm = torch.empty((programs, H), dtype=torch.float32, device=device) if norm_out else None
-        args[10] = partial_g_out_norm if norm_out else partial_g
-        _depth_attention_bwd_kernel[(programs,)](*args, num_warps=cfg.num_warps, **kwargs)
-        g = partial_g.sum(dim=0)
-        g_out_norm = partial_g_out_norm.sum(dim=0) if norm_out else None
+    sums = fused_depth_attention_backward_sums(
+        sources, query, norm_weight, eps, out, lse, grad_out, grad_sources, accumulate, out_norm_weight,
+        out_norm_eps, out_rstd, need_out_norm_weight,
+    )
+    return parameter_grads(sums.g, query, norm_weight, need_query, need_norm_weight) + (
+        sums.g_out_norm.to(out_norm_weight.dtype) if out_norm_weight is not None and need_out_norm_weight else None,
+    )
+
+
+def parameter_grads(g, query, norm_weight, need_query=True, need_norm_weight=True):
+    """(grad query, grad norm_weight) = (g gamma, g w) from the fp32 sum ``g``, each in its
+    parameter's dtype (``None`` where not needed)."""
     # g is fp32; an fp32 x (fp32, bf16 or fp16) product is computed in fp32 (type promotion),
     # as with an explicit .float(); cast only where the parameter is not fp32.
     return (
         _product(g, norm_weight, query.dtype) if need_query else None,
         _product(g, query, norm_weight.dtype) if need_norm_weight else None,
-        g_out_norm.to(out_norm_weight.dtype) if norm_out and need_out_norm_weight else None,
     )
 
 

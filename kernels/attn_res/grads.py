@@ -36,11 +36,12 @@ class SourceGrad:
     not added to.
     """
 
-    __slots__ = ("_grad", "_task")
+    __slots__ = ("_grad", "_task", "pending")
 
     def __init__(self):
         self._grad = None
         self._task = None
+        self.pending = None  # a pair.DepthPair whose first call still owes this source a grad
 
     def current(self) -> torch.Tensor | None:
         """The sum so far in this backward pass, or ``None`` before the first contribution."""
@@ -62,6 +63,11 @@ class SourceGrad:
             current.add_(grad)
 
     def take(self) -> torch.Tensor | None:
+        if self.pending is not None and self.pending.pending_in_this_pass():
+            raise RuntimeError(
+                "a depth-attention call deferred its grad for this source to the call paired with it "
+                "(kernels/attn_res/pair.py), whose backward has not run in this backward pass"
+            )
         grad = self.current()
         self._grad = None
         return grad

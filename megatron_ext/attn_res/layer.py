@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from kernels.attn_res import depth_attention, depth_attention_unchecked, resolve_impl
+from kernels.attn_res import DepthPair, depth_attention, depth_attention_unchecked, resolve_impl
 from megatron_ext.layers.norm import RMSNorm
 from megatron_ext.attn_res.state import DepthState, closes_block, sublayers_per_block
 
@@ -62,12 +62,14 @@ class DepthMixer(MegatronModule):
         # the softmax over depth is computed in fp32 from them. Device moves still apply.
         return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
 
-    def forward(self, sources: list[torch.Tensor], source_grads=None, norm=None) -> torch.Tensor:
+    def forward(self, sources: list[torch.Tensor], source_grads=None, norm=None, pair=None) -> torch.Tensor:
+        """``pair``: ``None`` or a role of a :class:`~kernels.attn_res.DepthPair` (the layer's two
+        mixers share one backward pass over their common blocks; Triton path only)."""
         fused = norm if self.fuse_norm and fusable_norm(norm) else None
-        out = self._mix(sources, source_grads, fused)
+        out = self._mix(sources, source_grads, fused, pair)
         return norm(out) if norm is not None and fused is None else out
 
-    def _mix(self, sources, source_grads, out_norm) -> torch.Tensor:
+    def _mix(self, sources, source_grads, out_norm, pair=None) -> torch.Tensor:
         first, query, weight = sources[0], self.query, self.key_norm_weight
         out_norm_weight = None if out_norm is None else out_norm.weight
         out_norm_eps = 0.0 if out_norm is None else float(out_norm.eps)
@@ -75,11 +77,12 @@ class DepthMixer(MegatronModule):
                None if out_norm is None else (out_norm_weight.shape, out_norm_weight.device))
         if key == self._checked:
             return depth_attention_unchecked(
-                sources, query, weight, self.eps, self._resolved_impl, source_grads, out_norm_weight, out_norm_eps
+                sources, query, weight, self.eps, self._resolved_impl, source_grads, out_norm_weight, out_norm_eps,
+                pair,
             )
         out = depth_attention(
             sources, query, weight, eps=self.eps, impl=self.impl, source_grads=source_grads,
-            out_norm_weight=out_norm_weight, out_norm_eps=out_norm_eps,
+            out_norm_weight=out_norm_weight, out_norm_eps=out_norm_eps, pair=pair,
         )
         self._checked, self._resolved_impl = key, resolve_impl(self.impl, first)
         return out
@@ -107,6 +110,7 @@ class AttnResTransformerLayer(TransformerLayer):
         block_size = sublayers_per_block(config)
         first = 2 * (self.layer_number - 1)  # layer_number is global and 1-based
         self.closes = (closes_block(first, block_size), closes_block(first + 1, block_size))
+        self.pair_backward = getattr(config, "attn_res_pair_backward", True)
 
     def _output(self, output_with_bias) -> torch.Tensor:
         output, bias = output_with_bias
@@ -123,13 +127,21 @@ class AttnResTransformerLayer(TransformerLayer):
         padding_mask: torch.Tensor | None = None,
         **_unused,
     ) -> DepthState:
+        # The two mixers read the same blocks: with in-place block grads, one backward pass over
+        # them for both (kernels/attn_res/pair.py; the MLP mixer's block grads are computed in
+        # the attention mixer's backward, which also returns the MLP mixer's query/norm grads).
+        pair = None
+        if self.pair_backward and state.block_grads is not None and torch.is_grad_enabled():
+            pair = DepthPair(self.mlp_mixer.query, self.mlp_mixer.key_norm_weight)
         attn = self.self_attention(
-            self.attn_mixer(state.sources(), state.source_grads(), self.input_layernorm),  # Norm(h)
+            self.attn_mixer(state.sources(), state.source_grads(), self.input_layernorm,  # Norm(h)
+                            pair=None if pair is None else pair.first),
             attention_mask=attention_mask,
             rotary_pos_emb=rotary_pos_emb,
             packed_seq_params=packed_seq_params,
         )
         state = state.add(self._output(attn), close=self.closes[0])
-        mlp_input = self.mlp_mixer(state.sources(), state.source_grads(), self.pre_mlp_layernorm)  # Norm(h)
+        mlp_input = self.mlp_mixer(state.sources(), state.source_grads(), self.pre_mlp_layernorm,  # Norm(h)
+                                   pair=None if pair is None else pair.second)
         mlp = self.mlp(mlp_input, padding_mask=padding_mask) if padding_mask is not None else self.mlp(mlp_input)
         return state.add(self._output(mlp), close=self.closes[1])

@@ -18,6 +18,8 @@ def validate_attn_res(config, error) -> None:
         raise error(f"attn_res_inplace_source_grads={config.attn_res_inplace_source_grads!r} must be true or false")
     if not isinstance(config.attn_res_fuse_norm, bool):
         raise error(f"attn_res_fuse_norm={config.attn_res_fuse_norm!r} must be true or false")
+    if not isinstance(config.attn_res_pair_backward, bool):
+        raise error(f"attn_res_pair_backward={config.attn_res_pair_backward!r} must be true or false")
     if config.attn_res_impl not in ATTN_RES_IMPLS:
         raise error(f"attn_res_impl={config.attn_res_impl!r}; allowed: {', '.join(ATTN_RES_IMPLS)}")
     if not config.attn_res:

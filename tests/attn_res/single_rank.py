@@ -148,6 +148,47 @@ def run_fuse_norm_triton(rank, world_size):
     return fuse_norm_on_off(2, attn_res_impl="triton")
 
 
+def pair_backward_on_off(num_blocks: int, **overrides):
+    """Logits and grads with the layers' two mixers sharing one backward pass over their common
+    blocks (``attn_res_pair_backward``) and without (random mixers and norm weights), and the
+    number of pairs whose backward actually ran paired."""
+    from kernels.attn_res import pair as pair_module
+
+    tokens, pos = _batch()
+    results, paired = [], []
+    defer = pair_module.DepthPair.defer
+
+    def counting_defer(self, *args, **kwargs):
+        paired.append(1)
+        return defer(self, *args, **kwargs)
+
+    for on in (False, True):
+        model = _model(attn_res=True, attn_res_num_blocks=num_blocks, attn_res_pair_backward=on, **overrides)
+        runner.randomise_mixers_and_norms([model])
+        probe = torch.randn(*tokens.shape, model.config.padded_vocab_size(), generator=torch.Generator().manual_seed(7))
+        pair_module.DepthPair.defer = counting_defer
+        try:
+            results.append(_logits_and_grads(model, lambda: model(tokens, pos, None), probe))
+        finally:
+            pair_module.DepthPair.defer = defer
+    return results[0], results[1], len(paired)
+
+
+def run_pair_backward_triton(rank, world_size):
+    """:func:`pair_backward_on_off` with the Triton kernels (run with TRITON_INTERPRET=1 set):
+    blocks of 2 sublayers (the benchmark's schedule), Full AttnRes, blocks of 2 with the first
+    layer recomputed."""
+    from megatron_ext.parallel import initialize_parallel
+
+    cpu_compat.install()
+    initialize_parallel(harness.tiny_config({}, False), harness.SEED)
+    return {
+        "blocks_of_2": pair_backward_on_off(4, attn_res_impl="triton"),
+        "full": pair_backward_on_off(8, attn_res_impl="triton"),
+        "recompute": pair_backward_on_off(4, attn_res_impl="triton", **RECOMPUTE_FIRST_LAYER),
+    }
+
+
 def run_all(rank, world_size):
     from megatron_ext.parallel import initialize_parallel
 

@@ -17,12 +17,12 @@ def test_bench_smoke_writes_json(tmp_path):
     out = tmp_path / "attnres.json"
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(root / "tools" / "bench_attnres.py"), "--smoke", "--out", str(out)],
+        [sys.executable, str(root / "tools" / "bench_attnres.py"), "--smoke", "--ab-backward", "--out", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert KEYS <= set(result)
-    for key in ("standard_step_ms", "attnres_step_ms", "kernel_ms", "reference_ms"):
+    for key in ("standard_step_ms", "attnres_step_ms", "attnres_main_backward_step_ms", "kernel_ms", "reference_ms"):
         assert result[key] > 0, key
     assert "Block AttnRes" in proc.stdout

@@ -18,6 +18,7 @@ from tests.parallel.harness import tiny_config
         (dict(attn_res_impl="cuda"), "attn_res_impl"),
         (dict(attn_res_inplace_source_grads="yes"), "attn_res_inplace_source_grads"),
         (dict(attn_res_fuse_norm=1), "attn_res_fuse_norm"),
+        (dict(attn_res_pair_backward="on"), "attn_res_pair_backward"),
         (dict(attn_res="yes"), "attn_res"),
         (dict(recompute_granularity="selective"), "recompute_granularity"),
     ],
@@ -37,5 +38,5 @@ def test_block_size_and_pipeline_fields():
     # Off: the block-count default need not fit the model.
     tiny_config({}, False, num_layers=2, attn_res_num_blocks=3)
     fields = {"attn_res", "attn_res_num_blocks", "attn_res_block_size", "attn_res_impl", "attn_res_inplace_source_grads",
-              "attn_res_fuse_norm"}
+              "attn_res_fuse_norm", "attn_res_pair_backward"}
     assert fields <= set(USER_FIELDS)

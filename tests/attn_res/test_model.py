@@ -111,6 +111,26 @@ def test_fused_norm_equals_separate_norm_triton_interpreter(monkeypatch):
     _assert_fused_equals_unfused(result, rtol=1e-5, atol=3e-5)
 
 
+def test_pair_backward_equals_separate_backwards_triton_interpreter(monkeypatch):
+    """attn_res_pair_backward on vs off with the Triton kernels under the CPU interpreter (fresh
+    process; random mixers and norm weights): every layer's two mixers ran one backward pass over
+    their shared blocks, and the logits and every grad are those of separate backwards up to fp32
+    rounding (the shared blocks' grads are summed in another order): the mixers' grads are sums of
+    cancelling terms; the largest on/off gap, 3e-5 of its grad's largest entry (Full AttnRes,
+    ``layers.1.mlp_mixer``), is below the unpaired kernels' own gap to the ``torch`` path there (9e-5)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    (result,) = run_distributed(single_rank.run_pair_backward_triton, 1)
+    for key, layers_paired in (("blocks_of_2", 4), ("full", 4), ("recompute", 4)):
+        (off_logits, off_grads), (on_logits, on_grads), paired = result[key]
+        assert paired == layers_paired, (key, paired)
+        torch.testing.assert_close(on_logits, off_logits, rtol=1e-5, atol=1e-6)
+        assert set(on_grads) == set(off_grads)
+        for name, off in off_grads.items():
+            scale = float(off.abs().max())
+            torch.testing.assert_close(on_grads[name], off, rtol=1e-5, atol=1e-4 * max(scale, 1e-6),
+                                       msg=lambda m, n=name, k=key: f"{k} {n}: {m}")
+
+
 @pytest.mark.parametrize(
     "key,expected_counts",
     [

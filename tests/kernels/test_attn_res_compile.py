@@ -47,3 +47,55 @@ def test_kernels_compile_for_hopper_without_a_gpu(norm_out):
                 assert used.registers <= 128, (kernel.__name__, n, hidden, used)
                 if norm_out and kernel is fused._depth_attention_bwd_kernel:
                     assert cfg.num_warps == 16 and used.registers <= 96, (cfg, used)
+
+
+_PRELOAD_SIGNATURE = {
+    "query_ptr": "*fp32", "norm_weight_ptr": "*fp32", "out_ptr": "*bf16", "grad_out_ptr": "*bf16", "lse_ptr": "*fp32",
+    "partial_g_ptr": "*fp32", "out_norm_weight_ptr": "*fp32", "out_rstd_ptr": "*fp32",
+    "partial_g_out_norm_ptr": "*fp32", "query2_ptr": "*fp32", "norm_weight2_ptr": "*fp32", "out2_ptr": "*bf16",
+    "grad_out2_ptr": "*bf16", "lse2_ptr": "*fp32", "out_norm_weight2_ptr": "*fp32", "out_rstd2_ptr": "*fp32",
+    "partial_g2_ptr": "*fp32", "T": "i32", "H": "i32", "eps": "fp32", "out_norm_eps": "fp32", "out_norm_eps2": "fp32",
+}
+# Pointers 16-byte aligned and H a multiple of 16, as the launcher specialises them at h = 2048
+# (without it the loads are scalar and each element's 64-bit address takes registers).
+_ALIGNED = ("src_ptrs", "grad_ptrs", "out_ptr", "grad_out_ptr", "out2_ptr", "grad_out2_ptr", "query_ptr",
+            "norm_weight_ptr", "query2_ptr", "norm_weight2_ptr", "out_norm_weight_ptr", "out_norm_weight2_ptr",
+            "partial_g_ptr", "partial_g2_ptr", "partial_g_out_norm_ptr", "H")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
+@pytest.mark.parametrize("norm_out", [False, True], ids=["mix", "mix+rmsnorm"])
+@pytest.mark.parametrize("n, paired, subset", [(9, 0, False), (8, 8, False), (1, 0, True), (2, 1, False), (3, 0, False)])
+def test_preload_backward_compiles_without_spills(norm_out, n, paired, subset):
+    # The shipped layout of the preload backward (fused.BACKWARD_PRELOAD_VALUES_PER_THREAD) at
+    # h = 2048: the benchmark's widest call (n = 9, every source accumulated), the widest pair
+    # (the MLP mixer of layer 7 deferring 8 shared blocks to the attention mixer), the second
+    # call's own-source pass (subset) and small calls; no spills, <= 128 registers (16 warps, one
+    # program per SM at least), and n = 9 fits 112 (the measured 109 without slack).
+    import kernels.attn_res.fused as fused
+    from kernels._compile_check import compile_for, resources
+
+    cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
+    signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * n, "grad_ptrs": ("*bf16",) * n}
+    constexprs = {"N": n, "ACCUMULATE": (1 << n) - 1 if not subset else 0, "BLOCK_T": cfg.block_t,
+                  "BLOCK_H": cfg.block_h, "NORM_OUT": norm_out, "SUBSET": subset, "PAIRED": paired,
+                  "OUT_NORM_GRAD": norm_out}
+    compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
+                           aligned=_ALIGNED)
+    used = resources(compiled)
+    assert used.spill_stores == 0 and used.spill_loads == 0, (n, paired, used)
+    assert cfg.num_warps == 16 and used.registers <= 128, (cfg, used)
+    if n == 9 and not paired:
+        assert used.registers <= 112, used
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
+def test_finish_kernel_compiles():
+    import kernels.attn_res.fused as fused
+    from kernels._compile_check import compile_for, resources
+
+    compiled = compile_for(fused._depth_attention_finish_kernel, {"partial_ptr": "*fp32", "out_ptr": "*fp32",
+                                                                 "P": "i32", "H": "i32"},
+                           {"ROWS": 3, "BLOCK_P": fused.FINISH_BLOCK_P, "BLOCK": fused.FINISH_BLOCK}, num_warps=4)
+    used = resources(compiled)
+    assert used.spill_stores == 0 and used.spill_loads == 0, used
