@@ -1,0 +1,163 @@
+"""The default depth-attention backward kernel (``fused.BACKWARD_KERNEL = "preload"``) and the launch that
+adds up its per-program partial sums (docs/attn_res.md, "Backward, second version").
+
+The preload kernel issues every load of a token tile (all n sources, the output and its gradient) before
+any store, with the sources held as loaded in tuples, so a program keeps far more bytes in flight than the
+streaming kernel in ``fused.py`` (which loads one source ahead). It can also serve a paired second call
+(``fused.PairedCall``: the MLP sublayer's mix over the same blocks as the attention sublayer's), writing
+both calls' source gradients in one read-modify-write of each shared block. The maths per source is the
+streaming kernel's (module docstring of ``fused.py``).
+"""
+
+import triton
+import triton.language as tl
+
+from kernels.attn_res.reductions import _add_five, _add_triple
+
+
+@triton.jit
+def _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT: tl.constexpr):
+    """(dout, c = dout . out) of one call from its loaded ``dy`` and ``out`` rows (fp32): with
+    ``NORM_OUT`` ``dy`` is the grad of ``RMSNorm(out)`` and the norm's backward runs first."""
+    if NORM_OUT:
+        gy = dy * gamma_out[None, :]
+        dot = tl.sum(gy * out, axis=1)
+        r3 = out_rstd * out_rstd * out_rstd
+        dout = out_rstd[:, None] * gy - (r3 * dot / H)[:, None] * out
+        c = out_norm_eps * r3 * dot  # = dout . out, exactly (module docstring)
+    else:
+        dout = dy
+        c = tl.sum(dy * out, axis=1)
+    return dout, c
+
+
+@triton.jit
+def _depth_attention_bwd_preload_kernel(
+    src_ptrs, grad_ptrs, query_ptr, norm_weight_ptr, out_ptr, grad_out_ptr, lse_ptr, partial_g_ptr,
+    out_norm_weight_ptr, out_rstd_ptr, partial_g_out_norm_ptr,
+    query2_ptr, norm_weight2_ptr, out2_ptr, grad_out2_ptr, lse2_ptr, out_norm_weight2_ptr, out_rstd2_ptr,
+    partial_g2_ptr,
+    T, H, eps, out_norm_eps, out_norm_eps2,
+    N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, OUT_NORM_GRAD: tl.constexpr,
+):
+    """The backward with every load of a token tile issued before any store (``dy``, ``out``, the
+    n sources, the old grads being added to), kept in registers as loaded (tuples over the
+    unrolled sources); then the reductions and the grads, stored source by source. The streaming
+    kernel above could only prefetch one source ahead (its stores might alias the next loads).
+
+    ``SUBSET``: the sources are some of the call's (``lse`` covers all of them), so one source
+    does not mean a constant softmax. ``PAIRED`` > 0: the first PAIRED sources also get the
+    gradient of a second call that read them (same key-norm eps; its ``dy``, ``out``, ``lse``,
+    query, norm weight, output-norm weight and rstd under the ``*2`` names): each shared source
+    is read, and its grad written, once for both calls; the second call's ``g`` over those
+    sources goes to ``partial_g2``. ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    g_acc = tl.zeros([BLOCK_H], tl.float32)
+    if NORM_OUT and OUT_NORM_GRAD:
+        g_out_norm_acc = tl.zeros([BLOCK_H], tl.float32)
+    if PAIRED > 0:
+        g2_acc = tl.zeros([BLOCK_H], tl.float32)
+
+    for tile in range(pid, tl.cdiv(T, BLOCK_T), num_programs):
+        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_mask = rows < T
+        mask = row_mask[:, None] & col_mask[None, :]
+        offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+        # -- every load of the tile first --------------------------------------------------
+        dy_raw = tl.load(grad_out_ptr + offs, mask=mask, other=0.0)
+        out_raw = tl.load(out_ptr + offs, mask=mask, other=0.0)
+        if PAIRED > 0:
+            dy2_raw = tl.load(grad_out2_ptr + offs, mask=mask, other=0.0)
+            out2_raw = tl.load(out2_ptr + offs, mask=mask, other=0.0)
+        vs = ()
+        for i in tl.static_range(N):
+            vs = vs + (tl.load(src_ptrs[i] + offs, mask=mask, other=0.0),)
+        olds = ()
+        for i in tl.static_range(N):
+            if (ACCUMULATE >> i) & 1:
+                olds = olds + (tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0),)
+            else:
+                olds = olds + (vs[i],)  # placeholder, never read
+        lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
+        # [h] vectors: loaded per tile (cache hits); held across the loop they cost registers.
+        u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dy = dy_raw.to(tl.float32)
+        out = out_raw.to(tl.float32)
+        if NORM_OUT:
+            out_rstd = tl.load(out_rstd_ptr + rows, mask=row_mask, other=0.0)
+            gamma_out = tl.load(out_norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if OUT_NORM_GRAD:
+                g_out_norm_acc += tl.sum(dy * out * out_rstd[:, None], axis=0)
+        else:
+            out_rstd = lse
+            gamma_out = u
+        dout, c = _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT)
+        if PAIRED > 0:
+            lse2 = tl.load(lse2_ptr + rows, mask=row_mask, other=0.0)
+            u2 = tl.load(query2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            u2 = u2 * tl.load(norm_weight2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            if NORM_OUT:
+                out_rstd2 = tl.load(out_rstd2_ptr + rows, mask=row_mask, other=0.0)
+                gamma_out2 = tl.load(out_norm_weight2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            else:
+                out_rstd2 = lse2
+                gamma_out2 = u2
+            dout2, c2 = _mix_output_grad(dy2_raw.to(tl.float32), out2_raw.to(tl.float32), out_rstd2, gamma_out2, H,
+                                         out_norm_eps2, NORM_OUT)
+        # -- per source: reductions, grad, store ----------------------------------------------
+        for i in tl.static_range(N):
+            v = vs[i].to(tl.float32)
+            if i < PAIRED:
+                square_sum, vu, da, vu2, da2 = tl.reduce(
+                    (v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2), 1, _add_five)
+            else:
+                square_sum, vu, da = tl.reduce((v * v, v * u[None, :], v * dout), 1, _add_triple)
+            rstd = tl.rsqrt(square_sum / H + eps)
+            logit = vu * rstd
+            a = tl.exp(logit - lse)
+            coef = a * (da - c) * rstd  # dlogit_i * r_i
+            if N == 1 and not SUBSET:  # the call's only source: a = 1, dlogit = 0 exactly
+                a = tl.full([BLOCK_T], 1.0, tl.float32)
+                coef = tl.zeros([BLOCK_T], tl.float32)
+            g_acc += tl.sum(coef[:, None] * v, axis=0)
+            if i < PAIRED:
+                logit2 = vu2 * rstd
+                a2 = tl.exp(logit2 - lse2)
+                coef2 = a2 * (da2 - c2) * rstd
+                g2_acc += tl.sum(coef2[:, None] * v, axis=0)
+                scale_v = (coef * logit + coef2 * logit2) * rstd / H
+                dv = (a[:, None] * dout + a2[:, None] * dout2 + coef[:, None] * u[None, :]
+                      + coef2[:, None] * u2[None, :] - scale_v[:, None] * v)
+            else:
+                dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
+            if (ACCUMULATE >> i) & 1:
+                dv += olds[i].to(tl.float32)
+            tl.store(grad_ptrs[i] + offs, dv.to(grad_ptrs[i].dtype.element_ty), mask=mask)
+
+    tl.store(partial_g_ptr + pid.to(tl.int64) * H + cols, g_acc, mask=col_mask)
+    if NORM_OUT and OUT_NORM_GRAD:
+        tl.store(partial_g_out_norm_ptr + pid.to(tl.int64) * H + cols, g_out_norm_acc, mask=col_mask)
+    if PAIRED > 0:
+        tl.store(partial_g2_ptr + pid.to(tl.int64) * H + cols, g2_acc, mask=col_mask)
+
+
+@triton.jit
+def _depth_attention_finish_kernel(
+    partial_ptr, out_ptr, P, H, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """``out[k] = sum_p partial[k, p]`` for the ROWS ``[P, h]`` partial-sum arrays stacked in
+    ``partial`` (``[ROWS, P, h]``): one launch for all of them, in a fixed order (deterministic)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < H
+    for k in tl.static_range(ROWS):
+        acc = tl.zeros([BLOCK], tl.float32)
+        for p0 in range(0, P, BLOCK_P):
+            prow = p0 + tl.arange(0, BLOCK_P)
+            offs = (k * P + prow).to(tl.int64)[:, None] * H + cols[None, :]
+            acc += tl.sum(tl.load(partial_ptr + offs, mask=(prow < P)[:, None] & col_mask[None, :], other=0.0), axis=0)
+        tl.store(out_ptr + k * H + cols, acc, mask=col_mask)
