@@ -64,7 +64,7 @@ def kernel_cases():
 # ones without spills (tools/sweep_kda_kernels.py); the bounds sit ~20% above what ptxas reports for them
 # (Triton 3.8) so that a change that spills more fails here.
 SPILL_ALLOWANCE: dict[str, int] = {"intra_fwd": 1300, "state_fwd": 1100, "state_bwd": 1600, "state_fwd_narrow": 160,
-                                   "state_bwd_narrow": 400, "inter_bwd": 80}
+                                   "state_bwd_narrow": 600, "inter_bwd": 80}
 
 NAMES = ["gate_cumsum", "intra_fwd", "state_fwd", "state_fwd_narrow", "output", "state_bwd", "state_bwd_narrow",
          "inter_bwd", "intra_bwd_dv", "intra_bwd_dqk", "gate_bwd", "l2norm_bwd"]
