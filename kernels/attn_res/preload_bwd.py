@@ -51,7 +51,10 @@ def _depth_attention_bwd_preload_kernel(
     gradient of a second call that read them (same key-norm eps; its ``dy``, ``out``, ``lse``,
     query, norm weight, output-norm weight and rstd under the ``*2`` names): each shared source
     is read, and its grad written, once for both calls; the second call's ``g`` over those
-    sources goes to ``partial_g2``. ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call."""
+    sources goes to ``partial_g2``. ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call.
+    Without ``SUBSET`` the kernel sees all of the call's sources and takes the softmax backward's
+    ``c`` from them; with it (and for the second call of a pair, whose sources are split over two
+    kernels) ``c`` comes from the stored, rounded output, as in the streaming kernel."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -109,7 +112,10 @@ def _depth_attention_bwd_preload_kernel(
                 gamma_out2 = u2
             dout2, c2 = _mix_output_grad(dy2_raw.to(tl.float32), out2_raw.to(tl.float32), out_rstd2, gamma_out2, H,
                                          out_norm_eps2, NORM_OUT)
-        # -- per source: reductions, grad, store ----------------------------------------------
+        # -- per source: the row reductions first (all sources are in registers) -------------------
+        # per-row scalars kept per source: rstd, logit, dout . v (and the paired call's logit, dout . v)
+        rstds, logits, das, logits2, das2 = (), (), (), (), ()
+        c_exact = tl.zeros([BLOCK_T], tl.float32)
         for i in tl.static_range(N):
             v = vs[i].to(tl.float32)
             if i < PAIRED:
@@ -118,17 +124,30 @@ def _depth_attention_bwd_preload_kernel(
             else:
                 square_sum, vu, da = tl.reduce((v * v, v * u[None, :], v * dout), 1, _add_triple)
             rstd = tl.rsqrt(square_sum / H + eps)
-            logit = vu * rstd
+            rstds, logits, das = rstds + (rstd,), logits + (vu * rstd,), das + (da,)
+            if i < PAIRED:
+                logits2, das2 = logits2 + (vu2 * rstd,), das2 + (da2,)
+            c_exact += tl.exp(vu * rstd - lse) * da
+        if not SUBSET:
+            # c = sum_i a_i (dout . v_i), the softmax backward's own sum, from the sources. dout . out
+            # (above) takes out as stored, rounded to bf16: dlogit_i = a_i (dout . v_i - c) is a difference
+            # of close numbers, and that rounding made the query / norm-weight grads of a two-source mix
+            # 5-10x less precise than PyTorch's bf16 autograd (docs/attn_res.md, "Precision of c").
+            c = c_exact
+        # -- per source: grad, store --------------------------------------------------------------
+        for i in tl.static_range(N):
+            v = vs[i].to(tl.float32)
+            rstd, logit = rstds[i], logits[i]
             a = tl.exp(logit - lse)
-            coef = a * (da - c) * rstd  # dlogit_i * r_i
+            coef = a * (das[i] - c) * rstd  # dlogit_i * r_i
             if N == 1 and not SUBSET:  # the call's only source: a = 1, dlogit = 0 exactly
                 a = tl.full([BLOCK_T], 1.0, tl.float32)
                 coef = tl.zeros([BLOCK_T], tl.float32)
             g_acc += tl.sum(coef[:, None] * v, axis=0)
             if i < PAIRED:
-                logit2 = vu2 * rstd
+                logit2 = logits2[i]
                 a2 = tl.exp(logit2 - lse2)
-                coef2 = a2 * (da2 - c2) * rstd
+                coef2 = a2 * (das2[i] - c2) * rstd
                 g2_acc += tl.sum(coef2[:, None] * v, axis=0)
                 scale_v = (coef * logit + coef2 * logit2) * rstd / H
                 dv = (a[:, None] * dout + a2[:, None] * dout2 + coef[:, None] * u[None, :]

@@ -14,4 +14,6 @@ def test_bench_smoke_writes_agreeing_results(tmp_path):
         assert max(row["max_rel_error"].values()) < 1e-5
     schedule = report["schedule"]
     assert set(schedule["ms"]) == {"stream", "preload", "preload+pair"}
-    assert max(schedule["max_rel_diff_vs_stream"].values()) < 1e-4
+    # preload takes the softmax backward's c from the sources, stream from the stored output: they differ by
+    # that output's rounding, amplified in dlogit = a (dout . v - c) (1.9e-4 here in fp32; docs/attn_res.md)
+    assert max(schedule["max_rel_diff_vs_stream"].values()) < 1e-3
