@@ -115,9 +115,11 @@ def test_pair_backward_equals_separate_backwards_triton_interpreter(monkeypatch)
     """attn_res_pair_backward on vs off with the Triton kernels under the CPU interpreter (fresh
     process; random mixers and norm weights): every layer's two mixers ran one backward pass over
     their shared blocks, and the logits and every grad are those of separate backwards up to fp32
-    rounding (the shared blocks' grads are summed in another order): the mixers' grads are sums of
-    cancelling terms; the largest on/off gap, 3e-5 of its grad's largest entry (Full AttnRes,
-    ``layers.1.mlp_mixer``), is below the unpaired kernels' own gap to the ``torch`` path there (9e-5)."""
+    rounding, amplified: the shared blocks' grads are summed in another order, and the paired second
+    call takes the softmax backward's c from its stored output where the unpaired preload kernel sums it
+    from the sources (docs/attn_res.md, Precision of c); the mixers' grads are sums of cancelling terms,
+    so the bound is 1e-3 of each grad's largest entry (the stored-output c alone moved a two-source
+    mix's grads by 1.9e-4 in fp32 in the kernel benchmark's smoke run)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     (result,) = run_distributed(single_rank.run_pair_backward_triton, 1)
     for key, layers_paired in (("blocks_of_2", 4), ("full", 4), ("recompute", 4)):
@@ -127,7 +129,7 @@ def test_pair_backward_equals_separate_backwards_triton_interpreter(monkeypatch)
         assert set(on_grads) == set(off_grads)
         for name, off in off_grads.items():
             scale = float(off.abs().max())
-            torch.testing.assert_close(on_grads[name], off, rtol=1e-5, atol=1e-4 * max(scale, 1e-6),
+            torch.testing.assert_close(on_grads[name], off, rtol=1e-5, atol=1e-3 * max(scale, 1e-6),
                                        msg=lambda m, n=name, k=key: f"{k} {n}: {m}")
 
 
