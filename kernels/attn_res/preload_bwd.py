@@ -127,7 +127,8 @@ def _depth_attention_bwd_preload_kernel(
             rstds, logits, das = rstds + (rstd,), logits + (vu * rstd,), das + (da,)
             if i < PAIRED:
                 logits2, das2 = logits2 + (vu2 * rstd,), das2 + (da2,)
-            c_exact += tl.exp(vu * rstd - lse) * da
+            if not SUBSET:
+                c_exact += tl.exp(vu * rstd - lse) * da
         if not SUBSET:
             # c = sum_i a_i (dout . v_i), the softmax backward's own sum, from the sources. dout . out
             # (above) takes out as stored, rounded to bf16: dlogit_i = a_i (dout . v_i - c) is a difference

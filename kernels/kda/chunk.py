@@ -159,7 +159,8 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     # dMqk, dL: rounded once to the dot operand type (bf16 for bf16 inputs), read by every K tile
     scratch = torch.empty(2, T, H, CHUNK, dtype=torch.bfloat16 if opts["DOT_BF16"] else torch.float32, device=dev)
     dv = torch.empty(T, H, V, dtype=v.dtype, device=dev)
-    num_inter = triton.cdiv(K, min(INTER_BWD_CONFIG["BK"], opts["BK"]))
+    inter_bk = min(INTER_BWD_CONFIG["BK"], opts["BK"])
+    num_inter = triton.cdiv(K, inter_bk)
     # dbeta partial sums: [0] through v; [1 + j] intra-chunk terms of K tile j; then the state terms per K tile
     dbeta_parts = torch.empty(1 + num_kt + num_inter, T, H, **f32)
     intra_bwd_dv_kernel[(meta.num_chunks, H)](
@@ -177,9 +178,8 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     # the state terms of dq, dk, dG as fp32 partials; dq, dk themselves when they are fp32 (completed in place)
     pq = dq if dq.dtype == torch.float32 else torch.empty(T, H, K, **f32)
     pk = dk if dk.dtype == torch.float32 else torch.empty(T, H, K, **f32)
-    inter_bk = min(INTER_BWD_CONFIG["BK"], opts["BK"])
     inter_launch = {key: value for key, value in INTER_BWD_CONFIG.items() if key != "BK"}
-    inter_bwd_kernel[(triton.cdiv(K, inter_bk), meta.num_chunks, H)](
+    inter_bwd_kernel[(num_inter, meta.num_chunks, H)](
         q, k, beta, G, hbuf, dhbuf, U, dU, do, Ainv, pq, pk, d_G, dlast, dbeta_parts, meta.chunk_start,
         meta.chunk_len, scale, H, T * H, 1 + num_kt, K=K, V=V, BK=inter_bk, DOT_BF16=opts["DOT_BF16"], **inter_launch)
     intra_bwd_dqk_kernel[(num_kt * 4, meta.num_chunks, H)](

@@ -1,4 +1,4 @@
-"""Per-chunk backward: everything except the reverse state walk (state.py), in three kernels.
+"""Per-chunk backward: everything except the reverse state walk (state.py) and the state terms (inter_bwd.py).
 
 `intra_bwd_dv_kernel` (one program per (chunk, head)) contracts over V for the [64, 64] chunk-mixing
 gradients and dv. With u = Ainv (beta v - kb S) (kb = beta k exp(G)), dAinv = du (beta v - kb S)^T, so
@@ -6,12 +6,12 @@ gradients and dv. With u = Ainv (beta v - kb S) (kb = beta k exp(G)), dAinv = du
     dMqk = dO u^T,  dv = beta Ainv^T du:
 one [64, 64] product Ainv^T du per V tile serves dv and dL, and neither S nor k is read.
 `intra_bwd_dqk_kernel` (one program per (16-row block x K tile, chunk, head)) is row-local in the chunk and
-column-local in K: the state contractions for its rows (dkb = -(Ainv[:, blk]^T du) S^T, dkgl = u dS^T,
-dqg = dO S^T), then dMqk / dL through the decayed products: the row side of its rows as [16, 64] x [64, BK]
-products, the column side of its keys from each later row block as [16, 16] x [16, BK] products, both
-around the first row of the row's block (the forward's factorisation), so each pair is computed once per
-side and nothing is masked away. It writes dq, dk, the per-token dG (fp32) and each block's share of the
-chunk's last row. `gate_bwd_kernel` (per (K tile, chunk, head)) reverse-sums dG over the chunk into dg and
+column-local in K: it starts from the state terms of its rows (fp32 partials of dq, dk, dG written by
+inter_bwd_kernel), then adds dMqk / dL through the decayed products: the row side of its rows as
+[16, 64] x [64, BK] products, the column side of its keys from each later row block as [16, 16] x [16, BK]
+products, both around the first row of the row's block (the forward's factorisation), so each pair is
+computed once per side and nothing is masked away. It writes dq, dk and the per-token dG (fp32).
+`gate_bwd_kernel` (per (K tile, chunk, head)) reverse-sums dG over the chunk into dg and
 takes it through the gate. The kernels write per-program partial sums (dbeta over K tiles, dA_log and
 ddt_bias over chunks) that the host adds up: deterministic, no atomics.
 
@@ -166,8 +166,8 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
 def gate_bwd_kernel(dG_buf, dlast, f, A_log, dt_bias, dg, dA_parts, ddt_parts, chunk_start, chunk_len,
                     lower_bound, H, K: tl.constexpr, BKT: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
                     HAS_BIAS: tl.constexpr):
-    """dg = reverse cumsum over the chunk of dG (plus the last row's share from inter_bwd_kernel), then through the gate activation,
-    with per-program partial sums of the dA_log / ddt_bias terms."""
+    """dg = reverse cumsum over the chunk of dG (plus the last row's share from inter_bwd_kernel), then through
+    the gate activation, with per-program partial sums of the dA_log / ddt_bias terms."""
     kt, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     kc = kt * BKT
