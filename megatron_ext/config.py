@@ -72,6 +72,9 @@ class HybridConfig(TransformerConfig):
     moe_balancer: str = "none"
     # Histogram bins of the quantile balancers (capacity thresholds and the dual bias).
     moe_qb_num_bins: int = 1000
+    # Capacity mode: overflow rounds run on the device before the routing's one host read (each
+    # further round reads once). More rounds: fewer host syncs but ~40 more launches per round.
+    moe_qb_device_rounds: int = 2
     # KDA layers ("K" in attention_pattern). None means: heads = num_attention_heads,
     # head dim = kv_channels, gate rank = the KDA head dim.
     kda_num_heads: int | None = None
@@ -136,6 +139,8 @@ class HybridConfig(TransformerConfig):
         validate_attn_res(self, ConfigError)
         if self.moe_qb_num_bins < 2:
             raise ConfigError(f"moe_qb_num_bins={self.moe_qb_num_bins} must be >= 2")
+        if not isinstance(self.moe_qb_device_rounds, int) or self.moe_qb_device_rounds < 0:
+            raise ConfigError(f"moe_qb_device_rounds={self.moe_qb_device_rounds!r} must be an int >= 0")
         if self.moe_router_enable_expert_bias:
             raise ConfigError(
                 "moe_router_enable_expert_bias is Megatron's own bias update; set "
@@ -216,6 +221,7 @@ USER_FIELDS = (
     "moe_expert_capacity_factor",
     "moe_balancer",
     "moe_qb_num_bins",
+    "moe_qb_device_rounds",
     "kda_num_heads",
     "kda_head_dim",
     "kda_gate",

@@ -81,6 +81,8 @@ def parse_args(argv=None):
     p.add_argument("--main-grad-dtype", choices=("auto", "fp32", "bf16"), default="auto",
                    help="gradient buffer of the ours_* rows (wrap_ddp's main_grad_dtype; stock keeps fp32): auto = "
                         "bf16 on one GPU (one micro-batch, nothing accumulates), fp32 otherwise")
+    p.add_argument("--qb-device-rounds", type=int, default=None,
+                   help="moe_qb_device_rounds of the ours_full rows (default: HybridConfig's)")
     p.add_argument("--profile", default=None, metavar="NAME", choices=VARIANTS,
                    help="instead of timing: profile a few steps of NAME, write its top-20 kernels as markdown")
     p.add_argument("--profile-out", default=None, help="markdown path (default docs/profile-NAME.md)")
@@ -113,7 +115,7 @@ def _dtype(cuda: bool) -> torch.dtype:
     return torch.bfloat16 if cuda else torch.float32  # bf16 weights as launch/train.py builds them
 
 
-def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool):
+def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_rounds: int | None = None):
     """Our ``HybridConfig``: plain (full attention, top-k) or with KDA 3:1, qb_both and AttnRes."""
     from megatron_ext.config import HybridConfig
 
@@ -123,6 +125,8 @@ def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool):
         moe_balancer="qb_both", moe_expert_capacity_factor=CAPACITY_FACTOR,
         attn_res=True, attn_res_num_blocks=sizes["attn_res_blocks"],
     ) if techniques else dict(attention_pattern="A", moe_balancer="none")
+    if techniques and qb_device_rounds is not None:
+        extra["moe_qb_device_rounds"] = qb_device_rounds
     return HybridConfig(
         **model, num_query_groups=model["num_attention_heads"], vocab_size=sizes["vocab"],
         max_sequence_length=seq, expert_model_parallel_size=dist.get_world_size(),
@@ -178,7 +182,8 @@ def variant_setup(name: str, args, cuda: bool):
         config = stock_config(sizes, cuda)
         return (lambda: build_stock_chunks(config, sizes, seq, args.stock_attention),
                 config, None, base, seq, micro_batch)
-    config = ours_config(sizes, seq, techniques=name.startswith("ours_full"), cuda=cuda)
+    config = ours_config(sizes, seq, techniques=name.startswith("ours_full"), cuda=cuda,
+                         qb_device_rounds=args.qb_device_rounds)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def after_step(chunks):  # once per optimizer step, as launch/train.py does
@@ -334,6 +339,7 @@ def run(args, log=print) -> dict | None:
               "dtype": "bf16" if cuda else "fp32", "steps": args.steps, "warmup": args.warmup,
               "model": args.sizes["model"], "vocab": args.sizes["vocab"],
               "capacity_factor": CAPACITY_FACTOR, "stock_aux_loss_coeff": STOCK_AUX_LOSS,
+              "qb_device_rounds": args.qb_device_rounds,
               "flops": "megatron_ext/flops.py, training = 3 x forward; tflops is per GPU; see docs/e2e.md",
               "torch": torch.__version__, "megatron_core": megatron.core.__version__, "smoke": args.smoke}
     if rank == 0:

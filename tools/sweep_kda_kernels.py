@@ -36,6 +36,11 @@ CONFIGS = [
     ("state-narrow", {"STATE_CONFIG_WIDE": dict(BV=32), "STATE_CONFIG_NARROW": dict(BV=32)}),
     ("state-wide", {"STATE_CONFIG_WIDE": dict(BV=64), "STATE_CONFIG_NARROW": dict(BV=64)}),
     ("state-8w", {"STATE_CONFIG_WIDE": dict(BV=32, num_warps=8), "STATE_CONFIG_NARROW": dict(BV=32, num_warps=8)}),
+    # the state walks at few sequence-heads (B1 T16384 H16, the e2e 16k layer: 64 programs at BV 32)
+    ("state-bv16", {"STATE_CONFIG_WIDE": dict(BV=16), "STATE_CONFIG_NARROW": dict(BV=16)}),
+    ("state-bv16-2w", {"STATE_CONFIG_WIDE": dict(BV=16, num_warps=2), "STATE_CONFIG_NARROW": dict(BV=16, num_warps=2)}),
+    ("state-s2", {"STATE_CONFIG_WIDE": dict(num_stages=2), "STATE_CONFIG_NARROW": dict(num_stages=2)}),
+    ("state-s4", {"STATE_CONFIG_WIDE": dict(num_stages=4), "STATE_CONFIG_NARROW": dict(num_stages=4)}),
     ("dv-8w", {"DV_CONFIG": dict(num_warps=8)}),
     ("gatebwd-8w", {"GATE_BWD_CONFIG": dict(num_warps=8)}),
 ]

@@ -7,7 +7,8 @@ Forward of one MoE layer on one EP rank (``N`` local tokens, top-``k``, ``E`` ex
    ``-1``, sort last and are cut off) and gather their rows: ``[n_kept, h]``;
 2. :meth:`AllToAllDispatcher.global_counts`: all-gather the ``[E]`` local counts into
    ``[P, E]`` so every rank knows what it sends to and receives from every rank (one host sync:
-   the split sizes must be Python ints);
+   the split sizes must be Python ints; none with ``P = 1`` when the routing knows its kept-pair
+   count);
 3. all-to-all with uneven splits: rows arrive grouped by (source rank, local expert);
 4. sort the received rows by local expert: ``[M, h]`` plus ``tokens_per_expert [L]``.
 
@@ -74,11 +75,7 @@ class AllToAllDispatcher:
         ``tokens_per_expert [L]`` int64 on ``hidden``'s device, state for :meth:`combine`)."""
         num_tokens, top_k = routing.experts.shape
         num_local = self.num_local_experts
-        # The one host sync of the layer: split sizes (and the kept-pair count) as Python ints.
-        counts_host = counts_per_rank.cpu()
-        send_splits = counts_host[self.ep_rank].view(self.ep_size, num_local).sum(1).tolist()
-        mine = counts_host[:, self.ep_rank * num_local:(self.ep_rank + 1) * num_local]  # [P, L]
-        recv_splits = mine.sum(1).tolist()
+        send_splits, recv_splits = self._splits(routing, counts_per_rank)
 
         flat_experts = routing.experts.reshape(-1)
         # Dropped pairs last (the plain top-k has none).
@@ -107,6 +104,18 @@ class AllToAllDispatcher:
         state = DispatchState(pair_order, source, send_splits, recv_splits, expert_order, expert_unsort, num_tokens,
                               top_k)
         return received, tokens_per_expert, state
+
+    def _splits(self, routing: Routing, counts_per_rank: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Rows sent to and received from each EP rank, as Python ints. One rank with the kept-pair
+        count known on the host (plain top-k, capacity routing) needs no read; else this is the
+        layer's one host sync."""
+        if self.ep_size == 1 and routing.num_kept is not None:
+            return [routing.num_kept], [routing.num_kept]
+        num_local = self.num_local_experts
+        counts_host = counts_per_rank.cpu()
+        send_splits = counts_host[self.ep_rank].view(self.ep_size, num_local).sum(1).tolist()
+        mine = counts_host[:, self.ep_rank * num_local:(self.ep_rank + 1) * num_local]  # [P, L]
+        return send_splits, mine.sum(1).tolist()
 
     def combine(self, expert_output: torch.Tensor, gates: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """``expert_output [M, h]`` (dispatch order) -> ``[N, h]``: sum_k gate * output, in fp32,

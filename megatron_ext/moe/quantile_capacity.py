@@ -18,17 +18,18 @@ batch, rank 0's tokens first):
 4. Refused proposals leave their experts full, so the next round only goes elsewhere; stop when
    a round refuses nothing, or when no refused token has an expert with room left.
 
-GPU cost model: the work is tiny, so the cost is kernel launches and host syncs. Round 1 works
-on the ``[N, k]`` top-k and reads one ``[E + 1]`` vector back; when no expert is over-subscribed
-(the common case) that is the whole call, about 20 launches. Otherwise only the tokens refused
-in round 1 can move later; they are gathered once (one more host read) and every later round
-runs on dense, fixed-shape ``[M, E]`` masks in expert order (no per-round compaction or list
-refresh), with one host read per round: the stop test.
+GPU cost model: the work is tiny, so the cost is kernel launches and host reads. A host read
+drains the GPU, which then idles while the host launches the next small kernels; a host-bound step
+pays for every launch instead. So the common case, no expert over-subscribed in round 1 (plain
+top-k), is round 1 and one read. Otherwise round 1's admission and ``device_rounds`` overflow rounds
+(dense ``[N, E]`` masks; a round with nothing left to move is a no-op) run before a second read,
+which says whether a token could still move; only then does each further round read once.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,16 +40,29 @@ from megatron_ext.moe.quantile_routing import Routing, biased_scores, check_scor
 __all__ = ["expert_capacity", "capacity_routing"]
 
 
+# Overflow rounds run between an over-subscribed call's two host reads (capacity_routing's device_rounds
+# default): each costs ~40 small launches on [N, E] whether or not anything is left to move.
+DEVICE_ROUNDS = 2
+
+
 def expert_capacity(num_tokens_global: int, k: int, num_experts: int, capacity_factor: float) -> int:
     """``ceil(capacity_factor * num_tokens_global * k / num_experts)``: the (token, expert) pairs
     one expert accepts, summed over the group. Rounded to 1e-9 first so that float noise in
-    ``capacity_factor`` (e.g. 1.1) cannot add a slot."""
+    ``capacity_factor`` (e.g. 1.1) cannot add a slot; the same float64 steps as the device version
+    (:func:`_device_capacity`), so that one rank and a group agree to the slot."""
     if not capacity_factor > 0:
         raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
     if num_experts < 1 or k < 1 or num_tokens_global < 0:
         raise ValueError(f"need num_experts >= 1, k >= 1, num_tokens_global >= 0; got "
                          f"{num_experts}, {k}, {num_tokens_global}")
-    return math.ceil(round(capacity_factor * num_tokens_global * k / num_experts, 9))
+    return math.ceil(round(float(num_tokens_global) * capacity_factor * k / num_experts * 1e9) / 1e9)
+
+
+def _device_capacity(num_tokens_global: torch.Tensor, k: int, num_experts: int, capacity_factor: float
+                     ) -> torch.Tensor:
+    """:func:`expert_capacity` of a 0-d int64 device tensor (a group's token count), without a host read."""
+    x = num_tokens_global.double() * capacity_factor * k / num_experts
+    return torch.ceil(torch.round(x * 1e9) / 1e9).long()
 
 
 def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -59,7 +73,8 @@ def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
 
 def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bias: torch.Tensor | None = None,
                      num_bins: int = 1000, score_range: tuple[float, float] = (0.0, 1.0),
-                     group=None, renormalize: bool = True, max_rounds: int | None = None) -> Routing:
+                     group=None, renormalize: bool = True, max_rounds: int | None = None,
+                     device_rounds: int | None = None) -> Routing:
     """Top-k routing where expert j accepts at most ``C = expert_capacity(N_global, k, E,
     capacity_factor)`` pairs over all ranks of ``group`` (None: this process alone).
 
@@ -69,11 +84,12 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     scores outside it fall in the edge bins, which coarsens who wins a contested expert but
     never breaks the capacity. ``max_rounds`` caps the overflow rounds (None: until nothing can
     move; at most E + 1). Slots are ordered by biased score, best first, dropped (-1) last.
-    ``Routing.rounds`` says how many rounds ran.
+    ``Routing.rounds`` says how many rounds ran. ``device_rounds`` (default ``DEVICE_ROUNDS``): the
+    overflow rounds run before the host read; the result does not depend on it.
 
-    Collectives per call: one all-reduce of ``E * num_bins`` int64 (+1 in round 1) per round,
-    plus one of ``world * E`` int64 in rounds where some expert is over-subscribed. Host reads:
-    one per round (the stop test), plus one to gather the tokens refused in round 1.
+    Collectives per call: per round, one all-reduce of ``E * num_bins`` int64 (+1 in round 1) and
+    one of ``world * E`` int64; ``1 + device_rounds`` rounds run (fewer with ``max_rounds``), more
+    only when tokens can still move. Host reads: one, plus one per round beyond those.
     """
     check_scores(scores, k, bias)
     if not isinstance(num_bins, int) or num_bins < 1:
@@ -83,16 +99,20 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
         raise ValueError(f"score_range must be (lo, hi) with hi > lo, got {score_range}")
     if max_rounds is not None and max_rounds < 1:
         raise ValueError(f"max_rounds must be >= 1 or None, got {max_rounds}")
+    device_rounds = DEVICE_ROUNDS if device_rounds is None else device_rounds
+    if not isinstance(device_rounds, int) or device_rounds < 0:
+        raise ValueError(f"device_rounds must be an int >= 0 or None, got {device_rounds!r}")
     if group is not None and dist.get_world_size(group) == 1:
         group = None  # a one-rank collective is an identity that still costs a launch and a sync
     with torch.no_grad():  # only the gates below are differentiable
-        experts, dropped, rerouted, global_load, rounds, plain = _route(
-            scores.detach(), k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds)
-    return Routing(experts, gates_from_scores(scores, experts, renormalize, all_kept=plain), dropped, rerouted,
-                   global_load=global_load, rounds=rounds, plain=plain)
+        result = _route(scores.detach(), k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds,
+                        device_rounds)
+    gates = gates_from_scores(scores, result.experts, renormalize, all_kept=result.plain)
+    return Routing(result.experts, gates, result.dropped, result.rerouted, global_load=result.global_load,
+                   rounds=result.rounds, plain=result.plain, num_kept=result.num_kept)
 
 
-def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds):
+def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds, device_rounds):
     num_tokens, num_experts = scores.shape
     eb = num_experts * num_bins
     biased = biased_scores(scores, bias)
@@ -100,88 +120,119 @@ def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds
     # bias is constant per expert, so the order inside an expert is the same).
     top_k = biased.topk(k, dim=1).indices
     bins = histogram_bins(scores.gather(1, top_k), lo, hi, num_bins)
-    keys = bins.add(top_k, alpha=num_bins)
-    packed = flat_counts(keys, eb + 1)  # the spare last slot carries the token count
+    packed = flat_counts(bins.add(top_k, alpha=num_bins), eb + 1)  # the spare last slot carries the token count
     if group is not None:
         packed[eb:].fill_(num_tokens)  # a fill kernel; item assignment would copy from the host
     hist = _all_reduce(packed, group)[:eb].view(num_experts, num_bins)
     demand = hist.sum(dim=1)
-    # The one host read of a call without overflow: demand per expert and the global count.
-    host = torch.cat([demand, packed[eb:]]).tolist()
-    host_demand, num_global = host[:num_experts], (host[-1] if group is not None else num_tokens)
-    capacity = expert_capacity(num_global, k, num_experts, capacity_factor)
-    zeros = torch.zeros(2, dtype=torch.int64, device=scores.device)
-    if sum(host_demand) == 0:  # no tokens anywhere: no round ran
-        return top_k, zeros[0], zeros[1], demand, 0, True
-    if max(host_demand) <= capacity:  # nobody over-subscribed: plain top-k
-        return top_k, zeros[0], zeros[1], demand, 1, True
-
-    room = torch.full_like(demand, capacity)
-    # The top-k proposals sit at columns top_k: dense [N, E] views only where token order matters.
-    accepted = _admit(torch.ones_like(top_k, dtype=torch.bool), top_k, bins, hist, demand - room, num_experts,
-                      group)
+    capacity = (expert_capacity(num_tokens, k, num_experts, capacity_factor) if group is None
+                else _device_capacity(packed[eb], k, num_experts, capacity_factor))
+    room = torch.zeros_like(demand).add_(capacity)
+    excess = demand - room
+    # The read of a call where nothing overflows (the common case): then the result is plain top-k.
+    over, anyone = _read((excess > 0).any(), demand.sum() > 0)
+    if not over:
+        zero = torch.zeros_like(demand[0])
+        return _Result(top_k, zero, zero, demand, 1 if anyone else 0, True, num_tokens * k)
+    accepted = _admit(torch.ones_like(top_k, dtype=torch.bool), top_k, bins, hist, excess, num_experts, group)
     room = room - demand.minimum(room)
     experts = top_k.where(accepted, -1)
     if max_rounds == 1:
-        return *_finish(experts, capacity, room, 1), False
-    # Only tokens refused in round 1 can gain anything later (the others hold k experts, and
-    # room never grows back): gather them once.
-    rows = (~accepted).any(dim=1).nonzero().squeeze(1)
-    held, free, room, rounds = _overflow_rounds(scores[rows], biased[rows], experts[rows], room, k, num_bins, lo, hi,
-                                          group, max_rounds)
-    # Final slots of those rows: held experts by biased score, best first, then -1.
-    order = biased[rows].masked_fill(~held, -math.inf).topk(k, dim=1).indices
-    num_held = (k - free).unsqueeze(1)
-    experts[rows] = order.where(torch.arange(k, device=order.device) < num_held, -1)
-    in_top_k = torch.zeros_like(held).scatter_(1, top_k[rows], True)
-    rerouted = (held & ~in_top_k).sum()
-    return experts, free.sum(), rerouted, capacity - room, 1 + rounds, False
-
-
-def _finish(experts, capacity, room, rounds):
-    # Refused slots (-1) move behind the kept ones; top-k order is already by biased score.
-    kept = experts >= 0
-    order = kept.to(torch.int8).argsort(dim=1, descending=True, stable=True)
-    return experts.gather(1, order), (~kept).sum(), torch.zeros_like(room[0]), capacity - room, rounds
-
-
-def _overflow_rounds(scores, biased, held_slots, room, k, num_bins, lo, hi, group, max_rounds):
-    """Rounds 2, 3, ... for the ``M`` tokens refused in round 1, on ``[M, E]`` masks whose column
-    j is expert j. Returns (``held [M, E]`` bool, ``free [M]`` slots left, ``room [E]``, rounds run)."""
-    num_rows, num_experts = biased.shape
-    eb = num_experts * num_bins
-    # A token's preference order and each expert's place in it (ties: lower expert id first).
-    preference = biased.argsort(dim=1, descending=True, stable=True)
-    place = torch.empty_like(preference).scatter_(
-        1, preference, torch.arange(num_experts, device=preference.device).expand_as(preference))
-    bins = histogram_bins(scores, lo, hi, num_bins)
-    keys = bins + torch.arange(0, eb, num_bins, device=bins.device)
-    spare_keys = keys + eb  # non-proposals are counted in a spare copy (no atomic hot spot)
-    held = torch.zeros(num_rows, num_experts + 1, dtype=torch.bool, device=biased.device)
-    held = held.scatter_(1, held_slots.where(held_slots >= 0, num_experts), True)[:, :num_experts]
-    free = (held_slots < 0).sum(dim=1, dtype=torch.int32)  # int32 like the cumsums: no casts
-    rounds = 0
-    while max_rounds is None or rounds + 1 < max_rounds:
-        # Each token proposes to its best `free` experts with room that it does not hold.
-        available = ~held & (room > 0)
-        ahead = available.gather(1, preference).cumsum(dim=1, dtype=torch.int32).gather(1, place)
-        proposals = available & (ahead <= free.unsqueeze(1))
-        hist = _all_reduce(flat_counts(keys.where(proposals, spare_keys), 2 * eb)[:eb], group)
-        hist = hist.view(num_experts, num_bins)
-        demand = hist.sum(dim=1)
-        excess = demand - room
-        host_demand, host_excess = torch.stack([demand, excess]).tolist()  # the stop test
-        if sum(host_demand) == 0:  # no refused token has an expert with room left
+        experts, free = _kept_first(experts), (experts < 0).sum(dim=1)
+        return _Result(experts, free.sum(), torch.zeros_like(demand[0]), capacity - room, 1, False,
+                       *_read(_kept_pairs(free, k)))
+    overflow = _Overflow(scores, biased, experts, room, k, num_bins, lo, hi, group)
+    for _ in range(device_rounds if max_rounds is None else min(device_rounds, max_rounds - 1)):
+        overflow.step()
+    # The second read: rounds that did something, whether a further round could move a token, kept pairs.
+    active, movable, kept = _read(overflow.active, overflow.refused, _kept_pairs(overflow.free, k))
+    rounds = 1 + active
+    while movable and (max_rounds is None or rounds < max_rounds):  # rare: one read per round
+        overflow.step()
+        proposed, movable, kept = _read(overflow.proposed, overflow.refused, _kept_pairs(overflow.free, k))
+        if not proposed:
             break
         rounds += 1
-        if max(host_excess) > 0:
-            proposals = _admit(proposals, None, bins, hist, excess, num_experts, group)
-        held |= proposals
-        free = free - proposals.sum(dim=1, dtype=torch.int32)
-        room = room - demand.minimum(room)
-        if max(host_excess) <= 0:
-            break
-    return held, free, room, rounds
+    experts, free, rerouted = overflow.result(top_k)
+    return _Result(experts, free.sum(), rerouted, capacity - overflow.room, rounds, False, kept)
+
+
+class _Result(NamedTuple):
+    experts: torch.Tensor
+    dropped: torch.Tensor
+    rerouted: torch.Tensor
+    global_load: torch.Tensor
+    rounds: int
+    plain: bool
+    num_kept: int
+
+
+def _read(*scalars: torch.Tensor) -> list[int]:
+    """One host read of several 0-d tensors (bool or int)."""
+    return torch.stack([t.to(torch.int64) for t in scalars]).tolist()
+
+
+def _kept_pairs(free: torch.Tensor, k: int) -> torch.Tensor:
+    return free.numel() * k - free.sum()
+
+
+def _kept_first(experts):
+    # Refused slots (-1) move behind the kept ones; top-k order is already by biased score.
+    order = (experts >= 0).to(torch.int8).argsort(dim=1, descending=True, stable=True)
+    return experts.gather(1, order)
+
+
+class _Overflow:
+    """Rounds 2, 3, ... on dense ``[N, E]`` masks whose column j is expert j. A token that holds k
+    experts, or finds none with room, proposes nothing, so a round after the last useful one
+    changes nothing. Per round, from group-wide counts (so every rank runs the same rounds):
+    ``active`` counts the rounds with a proposal anywhere, ``proposed`` says the last round had
+    one and ``refused`` that it refused one (only then can a further round move a token: after a
+    round that refuses nothing, every token with a free slot holds every expert with room)."""
+
+    def __init__(self, scores, biased, held_slots, room, k, num_bins, lo, hi, group):
+        num_rows, num_experts = biased.shape
+        self.k, self.num_bins, self.group, self.biased, self.room = k, num_bins, group, biased, room
+        self.eb = num_experts * num_bins
+        # A token's preference order and each expert's place in it (ties: lower expert id first).
+        self.preference = biased.argsort(dim=1, descending=True, stable=True)
+        self.place = torch.empty_like(self.preference).scatter_(
+            1, self.preference, torch.arange(num_experts, device=biased.device).expand_as(self.preference))
+        self.bins = histogram_bins(scores, lo, hi, num_bins)
+        self.keys = self.bins + torch.arange(0, self.eb, num_bins, device=biased.device)
+        held = torch.zeros(num_rows, num_experts + 1, dtype=torch.bool, device=biased.device)
+        self.held = held.scatter_(1, held_slots.where(held_slots >= 0, num_experts), True)[:, :num_experts]
+        self.free = (held_slots < 0).sum(dim=1, dtype=torch.int32)  # int32 like the cumsums: no casts
+        self.active = torch.zeros((), dtype=torch.int64, device=biased.device)
+        # Round 1 refused something unless nothing was over-subscribed; the first step tells.
+        self.proposed = self.refused = torch.ones((), dtype=torch.bool, device=biased.device)
+
+    def step(self) -> None:
+        """One round: each token proposes to its best ``free`` experts with room that it does not
+        hold; each expert admits its best proposals up to its room (:func:`_admit`)."""
+        available = ~self.held & (self.room > 0)
+        ahead = available.gather(1, self.preference).cumsum(dim=1, dtype=torch.int32).gather(1, self.place)
+        proposals = available & (ahead <= self.free.unsqueeze(1))
+        # Non-proposals are counted in a spare copy (no atomic hot spot).
+        counts = flat_counts(self.keys.where(proposals, self.keys + self.eb), 2 * self.eb)[:self.eb]
+        hist = _all_reduce(counts, self.group).view(-1, self.num_bins)
+        demand = hist.sum(dim=1)
+        excess = demand - self.room
+        proposals = _admit(proposals, None, self.bins, hist, excess, hist.shape[0], self.group)
+        self.held |= proposals
+        self.free = self.free - proposals.sum(dim=1, dtype=torch.int32)
+        self.room = self.room - demand.minimum(self.room)
+        self.proposed = demand.sum() > 0
+        self.refused = self.proposed & (excess > 0).any()
+        self.active += self.proposed
+
+    def result(self, top_k):
+        """(experts ``[N, k]``: held experts by biased score, best first, then -1; free slots ``[N]``;
+        rerouted pairs, those outside the token's plain top-k)."""
+        order = self.biased.masked_fill(~self.held, -math.inf).topk(self.k, dim=1).indices
+        experts = order.where(torch.arange(self.k, device=order.device) < (self.k - self.free).unsqueeze(1), -1)
+        in_top_k = torch.zeros_like(self.held).scatter_(1, top_k, True)
+        return experts, self.free, (self.held & ~in_top_k).sum()
 
 
 def _admit(proposals, columns, bins, hist, excess, num_experts, group):

@@ -29,6 +29,8 @@ class Routing:
     plain:    known on the host: ``experts`` is the plain top-k (no ``-1``; ``dropped`` and
               ``rerouted`` are 0), so consumers may skip the work for dropped pairs. False when
               unknown.
+    num_kept: known on the host: this rank's kept (token, slot) pairs (the dispatcher's buffer
+              size without a host read); None when unknown.
     """
 
     experts: torch.Tensor
@@ -38,6 +40,7 @@ class Routing:
     global_load: torch.Tensor | None = None
     rounds: int | None = None
     plain: bool = False
+    num_kept: int | None = None
 
     def __post_init__(self):
         if self.experts.dtype != torch.int64 or self.experts.dim() != 2:
@@ -102,4 +105,4 @@ def topk_routing(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None,
     experts = biased_scores(scores, bias).topk(k, dim=1).indices
     zeros = torch.zeros(2, dtype=torch.int64, device=scores.device)
     return Routing(experts, gates_from_scores(scores, experts, renormalize, all_kept=True), zeros[0], zeros[1],
-                   plain=True)
+                   plain=True, num_kept=experts.numel())

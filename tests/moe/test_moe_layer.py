@@ -252,3 +252,21 @@ def test_layer_runs_on_cuda_in_bf16_and_grouped_mm_matches_loop():
         outputs.append((out.float(), x.grad.float(), layer.experts.w1.grad.float(), layer.router.weight.grad.float()))
     for grouped, loop in zip(*outputs):
         torch.testing.assert_close(grouped, loop, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("balancer", ["none", "qb_capacity"])
+def test_one_rank_routing_and_dispatch_read_the_host_at_most_once(monkeypatch, balancer):
+    """With one EP rank the dispatcher takes its buffer size from the routing (``num_kept``): plain
+    top-k reads nothing back, capacity routing only its own reads (two when something overflows)."""
+    from tests.moe.test_quantile_capacity import _HostReads
+
+    capacity = balancer == "qb_capacity"
+    layer = MoELayer(moe_config(moe_balancer=balancer, moe_expert_capacity_factor=1.0 if capacity else None),
+                     ProcessGroupCollection())
+    tokens = torch.randn(64, HIDDEN)
+    with _HostReads(monkeypatch) as host:
+        routing, counts = layer.router(tokens)
+        expert_input, _, _ = layer.dispatcher.dispatch(tokens, routing, layer.dispatcher.global_counts(counts))
+    assert host.reads == (["tolist", "tolist"] if capacity else [])
+    assert routing.num_kept == int((routing.experts >= 0).sum()) == expert_input.shape[0]
+    assert capacity == (routing.dropped.item() > 0)  # the capacity case overflows: num_kept < N k

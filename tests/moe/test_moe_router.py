@@ -13,7 +13,8 @@ def moe_config(**overrides) -> TransformerConfig:
                     moe_ffn_hidden_size=8, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                     moe_router_score_function="sigmoid", use_cpu_initialization=True, init_method_std=0.3)
     settings.update(overrides)
-    ours = {key: settings.pop(key) for key in ("moe_balancer", "moe_qb_num_bins") if key in settings}
+    ours = {key: settings.pop(key) for key in ("moe_balancer", "moe_qb_num_bins", "moe_qb_device_rounds")
+            if key in settings}
     config = TransformerConfig(**settings)
     for key, value in ours.items():  # our knobs; HybridConfig declares them
         setattr(config, key, value)
@@ -178,3 +179,30 @@ def test_expert_counts_skip_dropped_pairs():
 def test_bad_config_names_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
         _router(**overrides)
+
+
+@pytest.mark.parametrize("device_rounds", [0, 3])
+def test_qb_device_rounds_reach_the_routing(monkeypatch, device_rounds):
+    """``moe_qb_device_rounds``: same routing; an over-subscribed call reads twice, plus once per round beyond
+    those run before the second read."""
+    from tests.moe.test_quantile_capacity import _HostReads
+
+    router = _router(moe_balancer="qb_capacity", moe_expert_capacity_factor=1.0, moe_qb_num_bins=64,
+                     moe_qb_device_rounds=device_rounds).train()
+    with torch.no_grad():
+        router.weight[3] += 1.0
+    x = torch.randn(64, 16)
+    expected = capacity_routing((x @ router.weight.t()).sigmoid(), 2, 1.0, num_bins=64)
+    with _HostReads(monkeypatch) as host:
+        routing, _ = router(x)
+    reads = len(host.reads)  # the patched tolist keeps counting after the block
+    assert torch.equal(routing.experts, expected.experts) and routing.rounds == expected.rounds > 1
+    assert reads - 2 - max(0, routing.rounds - 1 - device_rounds) in (0, 1), (routing.rounds, reads)
+
+
+def test_bad_qb_device_rounds_names_the_key():
+    from megatron_ext.config import ConfigError
+    from tests.parallel.harness import tiny_config
+
+    with pytest.raises(ConfigError, match=r"^moe_qb_device_rounds="):
+        tiny_config({}, False, moe_qb_device_rounds=-1)

@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_ext.moe import quantile_capacity
 from megatron_ext.moe.quantile import (capacity_routing, expert_capacity, gates_from_scores, histogram_bins,
                                        histogram_counts, topk_routing)
 
@@ -169,21 +170,39 @@ class _HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_host_reads_one_per_round(monkeypatch):
-    """The GPU cost model (docs/quantile_balancing.md): one host read when nothing overflows,
-    then one to gather round 1's refused tokens and one per later round (the stop test)."""
+def test_host_reads_one_without_overflow_two_with_until_the_device_rounds_run_out(monkeypatch):
+    """The GPU cost model (docs/quantile_balancing.md): one host read when nothing is over-subscribed;
+    else a second after round 1's admission and DEVICE_ROUNDS overflow rounds, then one per further
+    round. No nonzero or boolean indexing (each would be a read too)."""
     n, e, k = 512, 16, 4
     scores = skewed_scores(n, e, seed=13, skew=0.05)
     with _HostReads(monkeypatch) as ample:
         routing = capacity_routing(scores, k, 1.5)
-    assert routing.rounds == 1 and ample.reads == ["tolist"]
-    scores = skewed_scores(n, e, seed=13)
-    with _HostReads(monkeypatch) as tight:
-        routing = capacity_routing(scores, k, 1.0)
-    assert routing.rounds >= 3
-    assert tight.reads.count("nonzero") == 1 and set(tight.reads) == {"tolist", "nonzero"}
-    # Round 1, the gather, rounds 2.. (the last read may find no demand left and not count).
-    assert routing.rounds + 1 <= len(tight.reads) <= routing.rounds + 2
+    assert routing.rounds == 1 and routing.plain and ample.reads == ["tolist"]
+    seen_rounds = set()
+    for seed, skew, cf in [(13, 0.5, 1.25), (13, 2.0, 1.0), (14, 3.0, 0.9)]:
+        with _HostReads(monkeypatch) as tight:
+            routing = capacity_routing(skewed_scores(n, e, seed=seed, skew=skew), k, cf)
+        assert set(tight.reads) == {"tolist"} and not routing.plain
+        further = max(0, routing.rounds - 1 - quantile_capacity.DEVICE_ROUNDS)
+        # a further round that finds nothing to propose costs its read but does not count
+        assert len(tight.reads) - 2 - further in (0, 1), (routing.rounds, tight.reads)
+        seen_rounds.add(routing.rounds)
+    assert min(seen_rounds) <= 1 + quantile_capacity.DEVICE_ROUNDS < max(seen_rounds), seen_rounds
+
+
+@pytest.mark.parametrize("device_rounds", [0, 1, 5])
+def test_result_does_not_depend_on_the_rounds_run_before_the_read(device_rounds):
+    n, e, k = 300, 16, 4
+    scores = skewed_scores(n, e, seed=21, skew=2.0)
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(22)) * 0.1
+    expected = capacity_routing(scores, k, 1.0, bias=bias, num_bins=32)
+    got = capacity_routing(scores, k, 1.0, bias=bias, num_bins=32, device_rounds=device_rounds)
+    assert expected.rounds > 3
+    assert torch.equal(got.experts, expected.experts) and torch.equal(got.global_load, expected.global_load)
+    assert (got.rounds, got.dropped.item(), got.rerouted.item(), got.num_kept) == \
+        (expected.rounds, expected.dropped.item(), expected.rerouted.item(), expected.num_kept)
+    assert got.num_kept == int((got.experts >= 0).sum())
 
 
 def test_only_the_gates_carry_gradients():
@@ -211,6 +230,7 @@ def test_histogram_counts_skips_invalid_entries():
     (dict(num_bins=0), "num_bins"),
     (dict(score_range=(1.0, 0.0)), "score_range"),
     (dict(max_rounds=0), "max_rounds"),
+    (dict(device_rounds=-1), "device_rounds"),
 ])
 def test_capacity_routing_rejects_bad_arguments(bad, match):
     kwargs = dict(capacity_factor=1.0) | bad
