@@ -55,6 +55,14 @@ class ChunkMeta:
         self.num_chunks, self.num_seqs = len(starts), len(cu_seqlens) - 1
 
 
+@functools.lru_cache(maxsize=32)
+def chunk_meta(cu_seqlens: tuple[int, ...], device) -> ChunkMeta:
+    """:class:`ChunkMeta`, shared by the calls with the same sequence bounds (read-only tensors): a model's
+    KDA layers and steps with fixed-length batches build it once instead of once per layer call (three
+    host-to-device copies and a pinned allocation each, on a host-bound step)."""
+    return ChunkMeta(list(cu_seqlens), device)
+
+
 def _to_device(values: list[int], device) -> torch.Tensor:
     """int32 tensor on ``device``. To a GPU through pinned memory without blocking: a copy from pageable
     memory waits for the stream, and every KDA layer's forward builds these (18 host syncs per step in a
@@ -200,7 +208,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                 use_qk_l2norm, gate, lower_bound, safe_gate, cu_seqlens_list):
-        meta = ChunkMeta(cu_seqlens_list, q.device)
+        meta = chunk_meta(tuple(cu_seqlens_list), q.device)
         G, qn, kn = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm)
         o, ht, saved = kda_fwd(qn, kn, v, G, beta, scale, initial_state, output_final_state, safe_gate, meta)
         # G (fp32) and the normalised q, k are kept rather than recomputed in the backward: the fused gate /

@@ -141,6 +141,18 @@ def test_sequence_shorter_than_a_tile():
     assert_match(run_pair(make_inputs(1, 7, 2, 16, 16, seed=11), "lower_bound"), 1e-4, NAMES)
 
 
+def test_chunk_layout_is_built_once_per_sequence_bounds():
+    """The chunk layout (host-built, copied to the device) is shared by calls with the same bounds, so a
+    model's KDA layers do not rebuild it every call; other bounds get their own."""
+    from kernels.kda.chunk import chunk_meta
+
+    first = chunk_meta((0, 130, 260), torch.device("cpu"))
+    assert chunk_meta((0, 130, 260), torch.device("cpu")) is first
+    other = chunk_meta((0, 100, 260), torch.device("cpu"))
+    assert other is not first and other.chunk_len.tolist() == [64, 36, 64, 64, 32]
+    assert first.chunk_start.tolist() == [0, 64, 128, 130, 194, 258] and first.seq_chunks.tolist() == [0, 3, 6]
+
+
 @pytest.mark.parametrize("bound", [-6.0, 0.0, 0.5])
 def test_bad_lower_bound_raises(bound):
     x = make_inputs(1, 16, 1, 16, 16)
