@@ -66,6 +66,9 @@ def parse_args(argv=None):
                    help="AttnRes with autograd's per-call source-gradient sums (attn_res_inplace_source_grads=False)")
     p.add_argument("--no-fuse-norm", dest="fuse_norm", action="store_false",
                    help="AttnRes with the sublayer norms run separately on the mix (attn_res_fuse_norm=False)")
+    p.add_argument("--pair-backward", action="store_true",
+                   help="attn_res_pair_backward on (default off, as in HybridConfig: the paired second call keeps the "
+                        "stored-output softmax c)")
     p.add_argument("--ab-backward", action="store_true",
                    help="also time the AttnRes step with the depth-attention backward as on main (streaming kernel, "
                         "no paired backward), in the same process: attnres_main_backward_step_ms")
@@ -75,7 +78,7 @@ def parse_args(argv=None):
 
 
 def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True, fuse_norm: bool = True,
-                pair_backward: bool = True):
+                pair_backward: bool = False):
     from megatron_ext.config import HybridConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -155,7 +158,8 @@ def run(args) -> dict:
         return {"profile": profile_model(args, config, shape, cuda)}
     standard = time_training_step(standard_config, shape, steps, warmup)
     attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True,
-                                              inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm),
+                                              inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm,
+                                              pair_backward=args.pair_backward),
                                   shape, steps, warmup)
     ab = {}
     if args.ab_backward:  # the backward as on main: streaming kernel, every mixer's backward on its own
@@ -185,7 +189,7 @@ def run(args) -> dict:
             "model": model, **shape, "attn_res_num_blocks": ATTN_RES_BLOCKS, "dtype": str(dtype),
             "mlp": "dense SwiGLU", "steps": steps, "warmup": warmup, "smoke": not cuda,
             "attn_res_inplace_source_grads": args.inplace_source_grads, "attn_res_fuse_norm": args.fuse_norm,
-            "attn_res_pair_backward": True,
+            "attn_res_pair_backward": args.pair_backward,
         },
     }
 
