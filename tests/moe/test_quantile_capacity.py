@@ -191,6 +191,21 @@ def test_host_reads_one_without_overflow_two_with_until_the_device_rounds_run_ou
     assert min(seen_rounds) <= 1 + quantile_capacity.DEVICE_ROUNDS < max(seen_rounds), seen_rounds
 
 
+def test_device_capacity_equals_the_host_formula():
+    """A group computes the capacity on the device from its all-reduced token count; one rank on the host.
+    They must agree to the slot, float noise included (1.1 * 100 * 8 / 64 is 13.750000000000002)."""
+    gen = torch.Generator().manual_seed(5)
+    factors = [0.3, 0.6, 1.0, 1.1, 1.25, 1.3, 2.0, 0.7, 1.15]
+    for _ in range(400):
+        n = int(torch.randint(0, 200_000, (1,), generator=gen))
+        e = int(torch.randint(1, 257, (1,), generator=gen))
+        k = int(torch.randint(1, min(e, 16) + 1, (1,), generator=gen))
+        cf = factors[int(torch.randint(0, len(factors), (1,), generator=gen))]
+        host = expert_capacity(n, k, e, cf)
+        assert quantile_capacity._device_capacity(torch.tensor(n), k, e, cf).item() == host, (n, k, e, cf)
+    assert expert_capacity(100, 8, 64, 1.1) == 14
+
+
 @pytest.mark.parametrize("device_rounds", [0, 1, 5])
 def test_result_does_not_depend_on_the_rounds_run_before_the_read(device_rounds):
     n, e, k = 300, 16, 4
