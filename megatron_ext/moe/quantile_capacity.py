@@ -130,10 +130,10 @@ def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds
     room = torch.zeros_like(demand).add_(capacity)
     excess = demand - room
     # The read of a call where nothing overflows (the common case): then the result is plain top-k.
-    over, anyone = _read((excess > 0).any(), demand.sum() > 0)
-    if not over:
+    max_excess, total_demand = torch.stack([excess.max(), demand.sum()]).tolist()
+    if max_excess <= 0:
         zero = torch.zeros_like(demand[0])
-        return _Result(top_k, zero, zero, demand, 1 if anyone else 0, True, num_tokens * k)
+        return _Result(top_k, zero, zero, demand, 1 if total_demand else 0, True, num_tokens * k)
     accepted = _admit(torch.ones_like(top_k, dtype=torch.bool), top_k, bins, hist, excess, num_experts, group)
     room = room - demand.minimum(room)
     experts = top_k.where(accepted, -1)
@@ -149,7 +149,7 @@ def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds
     rounds = 1 + active
     while movable and (max_rounds is None or rounds < max_rounds):  # rare: one read per round
         overflow.step()
-        proposed, movable, kept = _read(overflow.proposed, overflow.refused, _kept_pairs(overflow.free, k))
+        proposed, movable, kept = _read(overflow.demand.any(), overflow.refused, _kept_pairs(overflow.free, k))
         if not proposed:
             break
         rounds += 1
@@ -186,9 +186,9 @@ class _Overflow:
     """Rounds 2, 3, ... on dense ``[N, E]`` masks whose column j is expert j. A token that holds k
     experts, or finds none with room, proposes nothing, so a round after the last useful one
     changes nothing. Per round, from group-wide counts (so every rank runs the same rounds):
-    ``active`` counts the rounds with a proposal anywhere, ``proposed`` says the last round had
-    one and ``refused`` that it refused one (only then can a further round move a token: after a
-    round that refuses nothing, every token with a free slot holds every expert with room)."""
+    ``active`` counts the rounds with a proposal anywhere, ``demand`` is the last round's and
+    ``refused`` says it refused one (only then can a further round move a token: after a round
+    that refuses nothing, every token with a free slot holds every expert with room)."""
 
     def __init__(self, scores, biased, held_slots, room, k, num_bins, lo, hi, group):
         num_rows, num_experts = biased.shape
@@ -204,8 +204,8 @@ class _Overflow:
         self.held = held.scatter_(1, held_slots.where(held_slots >= 0, num_experts), True)[:, :num_experts]
         self.free = (held_slots < 0).sum(dim=1, dtype=torch.int32)  # int32 like the cumsums: no casts
         self.active = torch.zeros((), dtype=torch.int64, device=biased.device)
-        # Round 1 refused something unless nothing was over-subscribed; the first step tells.
-        self.proposed = self.refused = torch.ones((), dtype=torch.bool, device=biased.device)
+        self.refused = torch.ones((), dtype=torch.bool, device=biased.device)  # round 1 over-subscribed
+        self.demand = room  # the last round's demand; set by every step
 
     def step(self) -> None:
         """One round: each token proposes to its best ``free`` experts with room that it does not
@@ -222,9 +222,9 @@ class _Overflow:
         self.held |= proposals
         self.free = self.free - proposals.sum(dim=1, dtype=torch.int32)
         self.room = self.room - demand.minimum(self.room)
-        self.proposed = demand.sum() > 0
-        self.refused = self.proposed & (excess > 0).any()
-        self.active += self.proposed
+        self.demand = demand
+        self.refused = (excess > 0).any()  # an excess needs a demand: no "and anyone proposed" needed
+        self.active += demand.any()
 
     def result(self, top_k):
         """(experts ``[N, k]``: held experts by biased score, best first, then -1; free slots ``[N]``;
