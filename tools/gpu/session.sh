@@ -40,6 +40,9 @@ step moe ${MOE_LIMIT:-60} python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
 step moe2 ${MOE_LIMIT:-60} torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
 step routing 45 python3 tools/bench_routing.py --out "$OUT/routing-h200.json"
 step rmsnorm 60 python3 tools/bench_rms_norm.py --out "$OUT/rms-norm-h200.json"
+# fla autotunes for minutes per shape (238 s at B4 T8192 H32). Its choices are Triton cache_results files: set
+# TRITON_CACHE_DIR to a carried folder (e.g. .ab/tcache) and pack its *.autotune.json into $OUT to reuse them
+# in a later call (they hold configs, not timings; see docs/benchmarks.md, KDA kernels).
 step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-} --out "$OUT/kda-h200.json"
 # expandable segments: the five variants of one process reuse memory of different shapes
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
