@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 from megatron_ext.errors import ConfigError  # noqa: F401  (re-exported for callers)
+from megatron_ext.moe.quantile_capacity import DEVICE_ROUNDS
 
 
 # Attention kinds a layer pattern may use.
@@ -72,9 +73,10 @@ class HybridConfig(TransformerConfig):
     moe_balancer: str = "none"
     # Histogram bins of the quantile balancers (capacity thresholds and the dual bias).
     moe_qb_num_bins: int = 1000
-    # Capacity mode: overflow rounds run on the device before the routing's one host read (each
-    # further round reads once). More rounds: fewer host syncs but ~40 more launches per round.
-    moe_qb_device_rounds: int = 2
+    # Capacity mode: when round 1 over-subscribes an expert, the overflow rounds run on the device
+    # before the routing's second host read (each further round reads once). More rounds: fewer
+    # host syncs but ~40 more launches per round (docs/quantile_balancing.md).
+    moe_qb_device_rounds: int = DEVICE_ROUNDS
     # KDA layers ("K" in attention_pattern). None means: heads = num_attention_heads,
     # head dim = kv_channels, gate rank = the KDA head dim.
     kda_num_heads: int | None = None

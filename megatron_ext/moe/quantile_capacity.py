@@ -130,7 +130,7 @@ def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds
     room = torch.zeros_like(demand).add_(capacity)
     excess = demand - room
     # The read of a call where nothing overflows (the common case): then the result is plain top-k.
-    max_excess, total_demand = torch.stack([excess.max(), demand.sum()]).tolist()
+    max_excess, total_demand = _read(excess.max(), demand.sum())
     if max_excess <= 0:
         zero = torch.zeros_like(demand[0])
         return _Result(top_k, zero, zero, demand, 1 if total_demand else 0, True, num_tokens * k)
@@ -205,7 +205,7 @@ class _Overflow:
         self.free = (held_slots < 0).sum(dim=1, dtype=torch.int32)  # int32 like the cumsums: no casts
         self.active = torch.zeros((), dtype=torch.int64, device=biased.device)
         self.refused = torch.ones((), dtype=torch.bool, device=biased.device)  # round 1 over-subscribed
-        self.demand = room  # the last round's demand; set by every step
+        self.demand: torch.Tensor | None = None  # the last round's demand, set by step()
 
     def step(self) -> None:
         """One round: each token proposes to its best ``free`` experts with room that it does not
