@@ -115,6 +115,7 @@ def main(argv=None) -> None:
     from megatron_ext.moe.router import update_expert_biases
     from megatron_ext.parallel import build_model_chunks, build_optimizer, initialize_parallel, wrap_ddp
     from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_ext.training.manual_gc import manual_gc
     from megatron_ext.training.metrics_log import MetricsLogger
     from megatron_ext.training.step import forward_backward
 
@@ -237,55 +238,57 @@ def main(argv=None) -> None:
         )
 
     log0(f"> training from iteration {iteration} to {train.train_iters}")
-    while iteration < train.train_iters:
-        start = time.perf_counter()
-        for c in chunks:
-            c.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss = run([next(data.train) for _ in range(micro_per_step)])
-        _, grad_norm, _ = optimizer.step()
-        scheduler.step(increment=1)
-        moe = None
-        if model_cfg.num_moe_experts:
-            # Collectives on every rank; before the bias update so bias stats are this step's.
-            moe = collect_moe_metrics(
-                chunks,
-                ps.get_expert_model_parallel_group(),
-                dp_group=bias_group,
-                pp_group=ps.get_pipeline_model_parallel_group(),
-            )
-        update_expert_biases(chunks, bias_group)
-        iteration += 1
-        consumed += train.global_batch_size
-        elapsed = time.perf_counter() - start
-        tokens_per_sec = train.global_batch_size * train.seq_length / elapsed
-        if is_logger and (iteration % log_cfg.log_interval == 0 or iteration == train.train_iters):
-            logger.log_iteration(
-                iteration,
-                consumed_samples=consumed,
-                lm_loss=loss,
-                lr=optimizer.param_groups[0]["lr"],
-                grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                batch_size=train.global_batch_size,
-                iteration_time_s=elapsed,
-                tokens_per_sec=tokens_per_sec,
-                flops_per_token=flops_per_token if torch.cuda.is_available() else None,
-                peak_tflops=log_cfg.peak_tflops,
-                num_gpus=world,
-                extra=moe.scalars() if moe is not None else None,
-            )
-        if rank_logger is not None and moe is not None and iteration % log_cfg.log_interval == 0:
-            moe.log_tensorboard(rank_logger, iteration, rank, write_heatmap=is_logger)
-        if log_cfg.eval_iters and data.valid is not None and iteration % log_cfg.eval_interval == 0:
-            data.valid.reset()
-            micro_eval = log_cfg.eval_iters * micro_per_step
-            with torch.no_grad():
-                val = run([next(data.valid) for _ in range(micro_eval)], forward_only=True)
-            if is_logger:
-                logger.log_validation(iteration, val, consumed)
-        # 5. Checkpoints.
-        if ckpt_cfg.save and ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0:
-            save(iteration)
+    with manual_gc(train.manual_gc, train.manual_gc_interval) as collect_garbage:
+        while iteration < train.train_iters:
+            start = time.perf_counter()
+            for c in chunks:
+                c.zero_grad_buffer()
+            optimizer.zero_grad()
+            loss = run([next(data.train) for _ in range(micro_per_step)])
+            _, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
+            moe = None
+            if model_cfg.num_moe_experts:
+                # Collectives on every rank; before the bias update so bias stats are this step's.
+                moe = collect_moe_metrics(
+                    chunks,
+                    ps.get_expert_model_parallel_group(),
+                    dp_group=bias_group,
+                    pp_group=ps.get_pipeline_model_parallel_group(),
+                )
+            update_expert_biases(chunks, bias_group)
+            iteration += 1
+            consumed += train.global_batch_size
+            elapsed = time.perf_counter() - start
+            tokens_per_sec = train.global_batch_size * train.seq_length / elapsed
+            if is_logger and (iteration % log_cfg.log_interval == 0 or iteration == train.train_iters):
+                logger.log_iteration(
+                    iteration,
+                    consumed_samples=consumed,
+                    lm_loss=loss,
+                    lr=optimizer.param_groups[0]["lr"],
+                    grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                    batch_size=train.global_batch_size,
+                    iteration_time_s=elapsed,
+                    tokens_per_sec=tokens_per_sec,
+                    flops_per_token=flops_per_token if torch.cuda.is_available() else None,
+                    peak_tflops=log_cfg.peak_tflops,
+                    num_gpus=world,
+                    extra=moe.scalars() if moe is not None else None,
+                )
+            if rank_logger is not None and moe is not None and iteration % log_cfg.log_interval == 0:
+                moe.log_tensorboard(rank_logger, iteration, rank, write_heatmap=is_logger)
+            if log_cfg.eval_iters and data.valid is not None and iteration % log_cfg.eval_interval == 0:
+                data.valid.reset()
+                micro_eval = log_cfg.eval_iters * micro_per_step
+                with torch.no_grad():
+                    val = run([next(data.valid) for _ in range(micro_eval)], forward_only=True)
+                if is_logger:
+                    logger.log_validation(iteration, val, consumed)
+            # 5. Checkpoints.
+            if ckpt_cfg.save and ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0:
+                save(iteration)
+            collect_garbage(iteration)
     if ckpt_cfg.save and not (ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0):
         save(iteration)
     logger.close()

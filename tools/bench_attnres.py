@@ -72,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--ab-backward", action="store_true",
                    help="also time the AttnRes step with the depth-attention backward as on main (streaming kernel, "
                         "no paired backward), in the same process: attnres_main_backward_step_ms")
+    p.add_argument("--automatic-gc", action="store_true",
+                   help="leave Python's collector on during the steps (default: off, as in training's manual_gc)")
     p.add_argument("--profile", choices=("standard", "attnres"), default=None,
                    help="instead of timing: profile 3 training steps of one model, print kernel and operator tables")
     return p.parse_args(argv)
@@ -89,13 +91,13 @@ def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: b
                         use_cpu_initialization=not bf16, **model, **extra)
 
 
-def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=None) -> dict:
+def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=None, manual_gc: bool = True) -> dict:
     """Median step ms and peak GB of one model: forward+backward (Megatron schedule) + AdamW."""
     from megatron_ext.parallel import build_model_chunks
 
     result = bench_common.time_training_step(
         lambda: build_model_chunks(config), config, config.vocab_size, shape["seq"], shape["micro_batch"],
-        warmup, steps, profiler=profiler)
+        warmup, steps, profiler=profiler, manual_gc=manual_gc)
     return {"step_ms": result["step_ms"], "peak_mem_gb": result["peak_gb"]}
 
 
@@ -156,11 +158,12 @@ def run(args) -> dict:
         config = standard_config if args.profile == "standard" else make_config(
             model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm)
         return {"profile": profile_model(args, config, shape, cuda)}
-    standard = time_training_step(standard_config, shape, steps, warmup)
+    gc_on = not args.automatic_gc
+    standard = time_training_step(standard_config, shape, steps, warmup, manual_gc=gc_on)
     attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True,
                                               inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm,
                                               pair_backward=args.pair_backward),
-                                  shape, steps, warmup)
+                                  shape, steps, warmup, manual_gc=gc_on)
     ab = {}
     if args.ab_backward:  # the backward as on main: streaming kernel, every mixer's backward on its own
         import kernels.attn_res.fused as fused
@@ -169,7 +172,7 @@ def run(args) -> dict:
         try:
             main_backward = time_training_step(
                 make_config(model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads,
-                            fuse_norm=args.fuse_norm, pair_backward=False), shape, steps, warmup)
+                            fuse_norm=args.fuse_norm, pair_backward=False), shape, steps, warmup, manual_gc=gc_on)
         finally:
             fused.BACKWARD_KERNEL = kernel_before
         ab = {"attnres_main_backward_step_ms": main_backward["step_ms"],
@@ -189,7 +192,7 @@ def run(args) -> dict:
             "model": model, **shape, "attn_res_num_blocks": ATTN_RES_BLOCKS, "dtype": str(dtype),
             "mlp": "dense SwiGLU", "steps": steps, "warmup": warmup, "smoke": not cuda,
             "attn_res_inplace_source_grads": args.inplace_source_grads, "attn_res_fuse_norm": args.fuse_norm,
-            "attn_res_pair_backward": args.pair_backward,
+            "attn_res_pair_backward": args.pair_backward, "manual_gc": gc_on,
         },
     }
 

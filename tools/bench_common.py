@@ -159,7 +159,8 @@ def build_training_state(build_chunks: Callable[[], list], config, fast_step: bo
 
 def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int, seq: int,
                        micro_batch: int, warmup: int, steps: int, after_step: Callable[[list], None] | None = None,
-                       profiler=None, fast_step: bool = True, main_grad_dtype: str = "fp32") -> dict:
+                       profiler=None, fast_step: bool = True, main_grad_dtype: str = "fp32",
+                       manual_gc: bool = True) -> dict:
     """Median ms of one training step, the peak memory (GB) of this rank and the gradient buffer's dtype
     (``main_grad_dtype``, e.g. ``"bf16"``: what ``main_grad_dtype``, see ``build_training_state``, resolved to;
     fp32 models always have fp32 gradients).
@@ -168,8 +169,11 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     ``optimizer.step()``, then ``after_step(chunks)`` (e.g. router-bias updates). The peak
     counts weights, gradients, AdamW state and activations; it is reset before the model is built,
     and the model and optimizer are freed before returning. ``profiler`` (a started
-    ``torch.profiler.profile``) is stepped after each timed step when given.
+    ``torch.profiler.profile``) is stepped after each timed step when given. ``manual_gc``: Python's
+    collector off during the steps, as in training (``megatron_ext/training/manual_gc.py``, interval 0 here:
+    no collection inside the timed window); False leaves the automatic collector on.
     """
+    from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
     from megatron_ext.training.step import forward_backward
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
@@ -194,7 +198,8 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
             profiler.step()
 
     try:
-        ms = median_ms(step, warmup, steps, model_device)
+        with manual_gc_scope(manual_gc, 0):
+            ms = median_ms(step, warmup, steps, model_device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if model_device.type == "cuda" else 0.0
     finally:
         del chunks, optimizer, batch

@@ -83,6 +83,9 @@ def parse_args(argv=None):
                         "bf16 on one GPU (one micro-batch, nothing accumulates), fp32 otherwise")
     p.add_argument("--qb-device-rounds", type=int, default=None,
                    help="moe_qb_device_rounds of the ours_full rows (default: HybridConfig's)")
+    p.add_argument("--automatic-gc", action="store_true",
+                   help="leave Python's collector on during the steps of every row (default: off, as in training's "
+                        "manual_gc; a full collection took ~240 ms)")
     p.add_argument("--profile", default=None, metavar="NAME", choices=VARIANTS,
                    help="instead of timing: profile a few steps of NAME, write its top-20 kernels as markdown")
     p.add_argument("--profile-out", default=None, help="markdown path (default docs/profile-NAME.md)")
@@ -220,13 +223,14 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
         timing = bench_common.time_training_step(build, config, args.sizes["vocab"], seq, micro_batch,
                                                  warmup, steps, after_step=after_step, profiler=profiler,
                                                  fast_step=name != "stock",
-                                                 main_grad_dtype="fp32" if name == "stock" else args.main_grad_dtype)
+                                                 main_grad_dtype="fp32" if name == "stock" else args.main_grad_dtype,
+                                                 manual_gc=not args.automatic_gc)
         flops_per_token = model_flops_per_token(flops_cfg, seq)
         tokens_per_sec = world * micro_batch * seq / (timing["step_ms"] / 1e3)
         tflops = flops_per_token * tokens_per_sec / world / 1e12  # per GPU
         row.update(step_ms=timing["step_ms"], tokens_per_sec=tokens_per_sec, tflops=tflops,
                    mfu=tflops / args.peak_tflops, peak_gb=timing["peak_gb"], flops_per_token=flops_per_token,
-                   main_grad_dtype=timing["main_grad_dtype"])
+                   main_grad_dtype=timing["main_grad_dtype"], manual_gc=not args.automatic_gc)
     except Exception as exc:  # keep the other variants' rows; say why this one is missing
         if dist.get_rank() == 0:
             traceback.print_exc()

@@ -99,17 +99,26 @@ class FusedDepthAttention(torch.autograd.Function):
             grad_query = grad_norm_weight = None  # returned by the first call's backward
         else:
             deferred = role.pair.take() if role is not None and role.index == 0 else None
+            in_kernel = deferred is None and fused.BACKWARD_KERNEL == "preload"  # grads from the finish kernel
             sums = fused_depth_attention_backward_sums(
                 views, query, norm_weight, ctx.eps, out, lse, grad_out, dests, accumulate,
                 out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2],
-                paired=None if deferred is None else deferred.call,
+                paired=None if deferred is None else deferred.call, parameter_grads=in_kernel,
             )
-            grad_query, grad_norm_weight = parameter_grads(sums.g, query, norm_weight, needs[0], needs[1])
+            if in_kernel:
+                grad_query, grad_norm_weight = sums.grad_query, sums.grad_norm_weight
+            else:
+                grad_query, grad_norm_weight = parameter_grads(sums.g, query, norm_weight, needs[0], needs[1])
             if deferred is not None:
                 g2 = sums.g2 + deferred.g
                 grad_partner_query, grad_partner_norm_weight = parameter_grads(
                     g2, deferred.call.query, deferred.call.norm_weight, needs[3], needs[4]
                 )
-        grad_out_norm_weight = sums.g_out_norm.to(out_norm_weight.dtype) if needs[2] else None
+        if sums.grad_out_norm_weight is not None or not needs[2]:
+            grad_out_norm_weight = sums.grad_out_norm_weight if needs[2] else None
+        else:
+            grad_out_norm_weight = sums.g_out_norm.to(out_norm_weight.dtype)
+        grad_query = grad_query if needs[0] else None
+        grad_norm_weight = grad_norm_weight if needs[1] else None
         return (grad_query, grad_norm_weight, grad_out_norm_weight, grad_partner_query, grad_partner_norm_weight,
                 None, None, None, None, None, *returned)

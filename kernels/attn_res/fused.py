@@ -65,7 +65,7 @@ def _depth_attention_fwd_kernel(
     src_ptrs, query_ptr, norm_weight_ptr, out_ptr, lse_ptr, out_norm_weight_ptr, normed_ptr, out_rstd_ptr,
     T, H, eps, out_norm_eps,
     N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FUSE_REDUCTIONS: tl.constexpr,
-    NORM_OUT: tl.constexpr,
+    NORM_OUT: tl.constexpr, PRELOAD: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = rows < T
@@ -80,9 +80,17 @@ def _depth_attention_fwd_kernel(
     normaliser = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
     # No stores inside this loop: a store may alias the next source, which would keep the
-    # compiler from issuing the n loads early.
+    # compiler from issuing the n loads early. PRELOAD: all n loads are issued first in program
+    # order (each source's row reduction is a barrier, which later loads do not move above).
+    vs = ()
+    if PRELOAD:
+        for i in tl.static_range(N):
+            vs = vs + (tl.load(src_ptrs[i] + offs, mask=mask, other=0.0),)
     for i in tl.static_range(N):
-        v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+        if PRELOAD:
+            v = vs[i].to(tl.float32)
+        else:
+            v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
         if FUSE_REDUCTIONS:
             square_sum, vu = tl.reduce((v * v, v * u[None, :]), 1, _add_pair)
         else:
@@ -228,6 +236,10 @@ BACKWARD_TILE_ELEMENTS = 2048
 # Backward programs per SM; None: as many as fit at once (from the compiled kernel's registers),
 # so the persistent grid is exactly one wave (more programs than fit left a second, partial wave).
 BACKWARD_PROGRAMS_PER_SM: int | None = None
+# Layouts from tools/sweep_attnres_kernels.py (docs/bench/attnres-sweep-h200.json): one row over 4 warps (16 values
+# per thread) beat 8 and 16 warps in both directions; the per-source row reductions cross fewer warps.
+FORWARD_VALUES_PER_THREAD = 16
+FORWARD_PRELOAD = True  # issue the n source loads before the first row reduction
 FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one barrier, not two)
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
@@ -235,7 +247,13 @@ BACKWARD_NORM_VALUES_PER_THREAD = 4  # backward with the fused output norm (back
 # Which backward kernel: "preload" (every load of a tile before any store; needed for the
 # paired / subset backward) or "stream" (the earlier one: one source prefetched ahead).
 BACKWARD_KERNEL = "preload"
-BACKWARD_PRELOAD_VALUES_PER_THREAD = 4  # 16 warps at h = 2048; n = 9 needs 109 registers (1 program per SM)
+# 4 warps at h = 2048 with RELOAD: two programs per SM (n = 9 with the norm: 255 registers, ~48 bytes spilled to
+# L1); 16 warps (4 values) took 128 registers for one program per SM and ~20% longer over the benchmark's calls.
+BACKWARD_PRELOAD_VALUES_PER_THREAD = 16
+# Preload kernel: reload each source (an L2 hit: the tile was just read) and load its old grad next to its
+# store instead of holding both in registers from the top: fewer registers (without it 16 values per thread
+# spill ~840 bytes).
+BACKWARD_RELOAD = True
 _resident_programs: dict = {}
 _PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
@@ -291,14 +309,14 @@ def fused_depth_attention_forward(
     out_rstd = torch.empty(T, dtype=torch.float32, device=out.device) if norm_out else None
     if T == 0:
         return out, lse, normed, out_rstd
-    cfg = launch_config(H, FORWARD_TILE_ELEMENTS)
+    cfg = launch_config(H, FORWARD_TILE_ELEMENTS, FORWARD_VALUES_PER_THREAD)
     grid = (-(-T // cfg.block_t),)
     _depth_attention_fwd_kernel[grid](
         tuple(sources), query, norm_weight, out, lse,
         out_norm_weight if norm_out else norm_weight, normed if norm_out else out, out_rstd if norm_out else lse,
         T, H, eps, out_norm_eps,
         N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, FUSE_REDUCTIONS=FORWARD_FUSE_REDUCTIONS,
-        NORM_OUT=norm_out, num_warps=cfg.num_warps,
+        NORM_OUT=norm_out, PRELOAD=FORWARD_PRELOAD, num_warps=cfg.num_warps,
     )
     return out, lse, normed, out_rstd
 
@@ -326,14 +344,21 @@ class PairedCall:
 class BackwardSums:
     """fp32 ``[h]`` sums of one backward launch: ``g`` (this call's ``sum dlogit r v``; ``dw = g
     gamma``, ``dgamma = g w``), ``g_out_norm`` (``dgamma_o``, with the fused norm) and ``g2`` (the
-    paired call's ``g`` over the shared sources)."""
+    paired call's ``g`` over the shared sources). With ``parameter_grads`` the finish kernel wrote
+    the grads themselves instead (``grad_query``, ``grad_norm_weight``, ``grad_out_norm_weight``, each
+    in its parameter's dtype) and ``g`` / ``g_out_norm`` are ``None``."""
 
-    g: torch.Tensor
+    g: torch.Tensor | None
     g_out_norm: torch.Tensor | None = None
     g2: torch.Tensor | None = None
+    grad_query: torch.Tensor | None = None
+    grad_norm_weight: torch.Tensor | None = None
+    grad_out_norm_weight: torch.Tensor | None = None
 
 
-FINISH_BLOCK, FINISH_BLOCK_P = 128, 16
+# 32 columns per finish program (64 programs at h = 2048): 0.28 vs 0.43 ms over the benchmark's 17 calls with
+# 128 (tools/sweep_attnres_kernels.py), now that the 4-warp backward leaves two partial rows per SM.
+FINISH_BLOCK, FINISH_BLOCK_P = 32, 16
 
 
 def fused_depth_attention_backward_sums(
@@ -352,6 +377,7 @@ def fused_depth_attention_backward_sums(
     need_out_norm_weight: bool = False,
     subset: bool = False,
     paired: PairedCall | None = None,
+    parameter_grads: bool = False,
 ) -> BackwardSums:
     """Writes (or, where ``accumulate[i]``, adds) each source's grad into ``grad_sources[i]``
     (contiguous, the sources' shape) and returns the fp32 sums (:class:`BackwardSums`). With
@@ -359,7 +385,9 @@ def fused_depth_attention_backward_sums(
     RMSNorm(out)``. ``subset``: ``sources`` are only some of the call's sources (its ``lse``
     covers all). ``paired``: also the gradient of a second call for the first ``paired.count``
     sources (added into the same grads; its ``g`` over them in ``g2``). ``subset`` and
-    ``paired`` need the preload kernel (``BACKWARD_KERNEL``)."""
+    ``paired`` need the preload kernel (``BACKWARD_KERNEL``). ``parameter_grads`` (preload kernel, neither
+    ``subset`` nor ``paired``): return the parameters' grads in their dtypes, computed by the finish
+    kernel, instead of the fp32 sums."""
     T, H = _tokens(sources[0])
     norm_out = out_norm_weight is not None
     device = grad_out.device
@@ -368,10 +396,13 @@ def fused_depth_attention_backward_sums(
         raise ValueError("subset / paired backward needs fused.BACKWARD_KERNEL = 'preload'")
     if paired is not None and (paired.out_norm_weight is not None) != norm_out:
         raise ValueError("a paired call must have the fused output norm iff this call has it")
+    if parameter_grads and (subset or paired is not None or not preload):
+        raise ValueError("parameter_grads needs the preload kernel and neither subset nor paired")
     rows = 1 + (norm_out and need_out_norm_weight) + (paired is not None)
     if T == 0:
         zero = torch.zeros(H, dtype=torch.float32, device=device)
-        return BackwardSums(zero, zero if norm_out else None, zero if paired is not None else None)
+        sums = BackwardSums(zero, zero if norm_out else None, zero if paired is not None else None)
+        return _as_parameter_grads(sums, query, norm_weight, out_norm_weight) if parameter_grads else sums
     mask = 0
     for i, flag in enumerate(accumulate):
         if flag:
@@ -382,7 +413,7 @@ def fused_depth_attention_backward_sums(
         cfg = launch_config(H, BACKWARD_TILE_ELEMENTS, BACKWARD_PRELOAD_VALUES_PER_THREAD)
         kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, NORM_OUT=norm_out,
                       SUBSET=subset, PAIRED=0 if paired is None else paired.count,
-                      OUT_NORM_GRAD=norm_out and need_out_norm_weight)
+                      OUT_NORM_GRAD=norm_out and need_out_norm_weight, RELOAD=BACKWARD_RELOAD)
     else:
         kernel = _depth_attention_bwd_kernel
         cfg = backward_launch_config(H, norm_out)
@@ -422,11 +453,30 @@ def fused_depth_attention_backward_sums(
     if not preload:
         sums = partial.sum(dim=1)
         return BackwardSums(sums[0], sums[1] if norm_out else None)
+    grid = (-(-H // FINISH_BLOCK),)
+    if parameter_grads:
+        grad_query, grad_norm_weight = torch.empty_like(query), torch.empty_like(norm_weight)
+        grad_out_norm = torch.empty_like(out_norm_weight) if rows > 1 else grad_query
+        _depth_attention_finish_kernel[grid](
+            partial, partial, query, norm_weight, grad_query, grad_norm_weight, grad_out_norm, programs, H,
+            ROWS=rows, BLOCK_P=FINISH_BLOCK_P, BLOCK=FINISH_BLOCK, PARAMETER_GRADS=True, num_warps=4)
+        return BackwardSums(None, grad_query=grad_query, grad_norm_weight=grad_norm_weight,
+                            grad_out_norm_weight=grad_out_norm if rows > 1 else None)
     sums = torch.empty((rows, H), dtype=torch.float32, device=device)
-    _depth_attention_finish_kernel[(-(-H // FINISH_BLOCK),)](
-        partial, sums, programs, H, ROWS=rows, BLOCK_P=FINISH_BLOCK_P, BLOCK=FINISH_BLOCK, num_warps=4)
+    _depth_attention_finish_kernel[grid](
+        partial, sums, query, norm_weight, partial, partial, partial, programs, H,
+        ROWS=rows, BLOCK_P=FINISH_BLOCK_P, BLOCK=FINISH_BLOCK, PARAMETER_GRADS=False, num_warps=4)
     return BackwardSums(sums[0], sums[1] if rows - (paired is not None) > 1 else None,
                         sums[rows - 1] if paired is not None else None)
+
+
+def _as_parameter_grads(sums: BackwardSums, query, norm_weight, out_norm_weight) -> BackwardSums:
+    """The parameter grads from fp32 sums (the ``parameter_grads`` result where no kernel ran)."""
+    grad_query, grad_norm_weight = parameter_grads(sums.g, query, norm_weight)
+    grad_out_norm = (sums.g_out_norm.to(out_norm_weight.dtype)
+                     if sums.g_out_norm is not None and out_norm_weight is not None else None)
+    return BackwardSums(None, grad_query=grad_query, grad_norm_weight=grad_norm_weight,
+                        grad_out_norm_weight=grad_out_norm)
 
 
 def fused_depth_attention_backward(
@@ -450,13 +500,15 @@ def fused_depth_attention_backward(
     (contiguous, the sources' shape); returns (grad query, grad norm_weight, grad
     out_norm_weight), ``None`` where not needed. With ``out_norm_weight`` (and the forward's
     ``out_rstd``), ``grad_out`` is the grad of ``normed = RMSNorm(out)``."""
+    in_kernel = BACKWARD_KERNEL == "preload"
     sums = fused_depth_attention_backward_sums(
         sources, query, norm_weight, eps, out, lse, grad_out, grad_sources, accumulate, out_norm_weight,
-        out_norm_eps, out_rstd, need_out_norm_weight,
+        out_norm_eps, out_rstd, need_out_norm_weight, parameter_grads=in_kernel,
     )
-    return parameter_grads(sums.g, query, norm_weight, need_query, need_norm_weight) + (
-        sums.g_out_norm.to(out_norm_weight.dtype) if out_norm_weight is not None and need_out_norm_weight else None,
-    )
+    if not in_kernel:
+        sums = _as_parameter_grads(sums, query, norm_weight, out_norm_weight if need_out_norm_weight else None)
+    return (sums.grad_query if need_query else None, sums.grad_norm_weight if need_norm_weight else None,
+            sums.grad_out_norm_weight if out_norm_weight is not None and need_out_norm_weight else None)
 
 
 def parameter_grads(g, query, norm_weight, need_query=True, need_norm_weight=True):

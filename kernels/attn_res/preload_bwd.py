@@ -1,9 +1,11 @@
 """The default depth-attention backward kernel (``fused.BACKWARD_KERNEL = "preload"``) and the launch that
 adds up its per-program partial sums (docs/attn_res.md, "Backward, second version").
 
-The preload kernel issues every load of a token tile (all n sources, the output and its gradient) before
+The preload kernel issues the loads of a token tile (all n sources, the output and its gradient) before
 any store, with the sources held as loaded in tuples, so a program keeps far more bytes in flight than the
-streaming kernel in ``fused.py`` (which loads one source ahead). It can also serve a paired second call
+streaming kernel in ``fused.py`` (which loads one source ahead). With ``RELOAD`` (the default,
+``fused.BACKWARD_RELOAD``) the grad loop reads each source again (an L2 hit) and its old grad next to its
+store, which leaves registers for one row over 4 warps, two programs per SM. It can also serve a paired second call
 (``fused.PairedCall``: the MLP sublayer's mix over the same blocks as the attention sublayer's), writing
 both calls' source gradients in one read-modify-write of each shared block. The maths per source is the
 streaming kernel's (module docstring of ``fused.py``).
@@ -40,6 +42,7 @@ def _depth_attention_bwd_preload_kernel(
     T, H, eps, out_norm_eps, out_norm_eps2,
     N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, OUT_NORM_GRAD: tl.constexpr,
+    RELOAD: tl.constexpr,
 ):
     """The backward with every load of a token tile issued before any store (``dy``, ``out``, the
     n sources, the old grads being added to), kept in registers as loaded (tuples over the
@@ -54,7 +57,9 @@ def _depth_attention_bwd_preload_kernel(
     sources goes to ``partial_g2``. ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call.
     Without ``SUBSET`` the kernel sees all of the call's sources and takes the softmax backward's
     ``c`` from them; with it (and for the second call of a pair, whose sources are split over two
-    kernels) ``c`` comes from the stored, rounded output, as in the streaming kernel."""
+    kernels) ``c`` comes from the stored, rounded output, as in the streaming kernel. ``RELOAD``: the
+    grad loop reloads each source (just read by this program: an L2 hit) and loads its old grad there,
+    instead of holding both from the top (fewer registers, so more programs per SM)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -81,7 +86,9 @@ def _depth_attention_bwd_preload_kernel(
             vs = vs + (tl.load(src_ptrs[i] + offs, mask=mask, other=0.0),)
         olds = ()
         for i in tl.static_range(N):
-            if (ACCUMULATE >> i) & 1:
+            if RELOAD:
+                olds = olds + (vs[i],)  # placeholder: loaded next to the store
+            elif (ACCUMULATE >> i) & 1:
                 olds = olds + (tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0),)
             else:
                 olds = olds + (vs[i],)  # placeholder, never read
@@ -137,7 +144,10 @@ def _depth_attention_bwd_preload_kernel(
             c = c_exact
         # -- per source: grad, store --------------------------------------------------------------
         for i in tl.static_range(N):
-            v = vs[i].to(tl.float32)
+            if RELOAD:
+                v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+            else:
+                v = vs[i].to(tl.float32)
             rstd, logit = rstds[i], logits[i]
             a = tl.exp(logit - lse)
             coef = a * (das[i] - c) * rstd  # dlogit_i * r_i
@@ -156,7 +166,10 @@ def _depth_attention_bwd_preload_kernel(
             else:
                 dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
             if (ACCUMULATE >> i) & 1:
-                dv += olds[i].to(tl.float32)
+                if RELOAD:
+                    dv += tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    dv += olds[i].to(tl.float32)
             tl.store(grad_ptrs[i] + offs, dv.to(grad_ptrs[i].dtype.element_ty), mask=mask)
 
     tl.store(partial_g_ptr + pid.to(tl.int64) * H + cols, g_acc, mask=col_mask)
@@ -168,10 +181,16 @@ def _depth_attention_bwd_preload_kernel(
 
 @triton.jit
 def _depth_attention_finish_kernel(
-    partial_ptr, out_ptr, P, H, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr,
+    partial_ptr, out_ptr, query_ptr, norm_weight_ptr, grad_query_ptr, grad_norm_weight_ptr, grad_out_norm_ptr,
+    P, H, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr, PARAMETER_GRADS: tl.constexpr,
 ):
     """``out[k] = sum_p partial[k, p]`` for the ROWS ``[P, h]`` partial-sum arrays stacked in
-    ``partial`` (``[ROWS, P, h]``): one launch for all of them, in a fixed order (deterministic)."""
+    ``partial`` (``[ROWS, P, h]``): one launch for all of them, in a fixed order (deterministic).
+
+    ``PARAMETER_GRADS``: the parameters' grads are written instead, each in its own dtype: from row 0
+    (``g``) ``grad_query = g * norm_weight`` and ``grad_norm_weight = g * query`` (fp32 products, as
+    ``fused.parameter_grads`` computes them), and row 1, if ROWS = 2, as ``grad_out_norm`` (the fused
+    output norm's ``dgamma_o``); three small torch ops fewer per call (host time)."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < H
     for k in tl.static_range(ROWS):
@@ -180,4 +199,12 @@ def _depth_attention_finish_kernel(
             prow = p0 + tl.arange(0, BLOCK_P)
             offs = (k * P + prow).to(tl.int64)[:, None] * H + cols[None, :]
             acc += tl.sum(tl.load(partial_ptr + offs, mask=(prow < P)[:, None] & col_mask[None, :], other=0.0), axis=0)
-        tl.store(out_ptr + k * H + cols, acc, mask=col_mask)
+        if PARAMETER_GRADS and k == 0:
+            gamma = tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            w = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            tl.store(grad_query_ptr + cols, (acc * gamma).to(grad_query_ptr.dtype.element_ty), mask=col_mask)
+            tl.store(grad_norm_weight_ptr + cols, (acc * w).to(grad_norm_weight_ptr.dtype.element_ty), mask=col_mask)
+        elif PARAMETER_GRADS:
+            tl.store(grad_out_norm_ptr + cols, acc.to(grad_out_norm_ptr.dtype.element_ty), mask=col_mask)
+        else:
+            tl.store(out_ptr + k * H + cols, acc, mask=col_mask)

@@ -188,3 +188,12 @@ def test_bf16_stream_kernel_parameter_grads_as_precise_as_bf16_torch(monkeypatch
     for i in range(1, len(want)):
         if want[i].abs().max() > 0:  # the first mixer sees one source: its grads are exactly zero
             assert _rel(got[i], want[i]) <= 2 * _rel(bf16_torch[i], want[i]) + 5e-3, f"parameter grad {i}"
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_finish_kernel_parameter_grads_bit_identical_to_torch_products(param_dtype):
+    from tests.kernels.test_attn_res_norm_kernel import finish_kernel_parameter_grads
+
+    got, want, _ = finish_kernel_parameter_grads(param_dtype, device="cuda")
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

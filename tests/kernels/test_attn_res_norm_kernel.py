@@ -141,3 +141,47 @@ def test_fused_norm_saves_inputs_output_lse_rstd_and_is_deterministic():
     second = torch.autograd.grad(normed, leaves, grad)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+def finish_kernel_parameter_grads(param_dtype, device="cpu"):
+    """(kernel grads, torch products of the fp32 sums, the fp32 products) of one fused-norm call's
+    parameters: the finish kernel's grad_query = g * gamma, grad_norm_weight = g * w, grad_out_norm = g_o
+    against the torch ops they replaced; also checks that the source grads are the same either way."""
+    from kernels.attn_res import fused
+
+    sources, query, norm_weight, out_norm_weight, grad = (t.to(device) for t in _inputs(4, 37, 48, seed=5))
+    query, norm_weight, out_norm_weight = (t.to(param_dtype) for t in (query, norm_weight, out_norm_weight))
+    views = list(sources.unbind(0))
+    out, lse, _, out_rstd = fused.fused_depth_attention_forward(views, query, norm_weight, EPS, out_norm_weight,
+                                                                OUT_NORM_EPS)
+
+    def backward(parameter_grads):
+        dests = [torch.empty_like(v) for v in views]
+        return fused.fused_depth_attention_backward_sums(
+            views, query, norm_weight, EPS, out, lse, grad, dests, [False] * len(views), out_norm_weight,
+            OUT_NORM_EPS, out_rstd, need_out_norm_weight=True, parameter_grads=parameter_grads), dests
+
+    in_kernel, dests_kernel = backward(True)
+    sums, dests_sums = backward(False)
+    assert in_kernel.g is None and all(torch.equal(a, b) for a, b in zip(dests_kernel, dests_sums))
+    got = (in_kernel.grad_query, in_kernel.grad_norm_weight, in_kernel.grad_out_norm_weight)
+    exact = (sums.g * norm_weight.float(), sums.g * query.float(), sums.g_out_norm)
+    want = (*fused.parameter_grads(sums.g, query, norm_weight), sums.g_out_norm.to(param_dtype))
+    for g in got:
+        assert g.dtype == param_dtype and g.abs().max() > 0
+    return got, want, exact
+
+
+@interpreter_case
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_finish_kernel_parameter_grads_equal_the_torch_products(param_dtype):
+    # Bit-identical to the torch products in fp32 and fp16. The interpreter rounds fp32 -> bf16 by truncation
+    # (the GPU rounds to nearest, tests/kernels/test_attn_res_gpu.py checks bit equality there): in bf16, within
+    # one unit in the last place of the exact fp32 product.
+    got, want, exact = finish_kernel_parameter_grads(param_dtype)
+    for g, w, e in zip(got, want, exact):
+        if param_dtype == torch.bfloat16:
+            ulp = torch.finfo(torch.bfloat16).eps * e.abs().clamp_min(1e-30)
+            assert ((g.float() - e).abs() <= ulp).all()
+        else:
+            assert torch.equal(g, w)

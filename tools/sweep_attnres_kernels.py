@@ -1,0 +1,172 @@
+"""Sweep the depth-attention kernels' launch layouts (``kernels/attn_res/fused.py``) on the GPU.
+
+Each config changes module constants of fused.py from their defaults. The measure is one training
+step's depth-attention calls as the benchmark model makes them (``bench_attnres_kernel.schedule_step``:
+N = 8 blocks over 16 sublayers and the final mix, bf16, T = 8192, h = 2048, in-place block grads, fused
+norms): the CUDA time of the forward, backward and finish kernels (torch profiler, mean of a few steps,
+so host time and launch gaps do not count) and the step's ``do_bench`` median, in rounds that visit the
+configs in alternating order (the GPU clocks up over the first seconds; a config timed only first would
+look slow). Every config's grads are compared with the default's (max |diff| / max |ref|).
+
+Triton compiles ~26 specialisations per config (n = 1..9, accumulate masks, the norm); ``--jobs`` runs the
+compiles in parallel processes on a tiny token count first (same specialisation keys), then times in this
+process from the warm cache.
+
+    python tools/sweep_attnres_kernels.py [--only a,b] [--out docs/bench/attnres-sweep-h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import kernels.attn_res.fused as fused  # noqa: E402
+from tools.bench_attnres_kernel import schedule_step  # noqa: E402
+
+# (name, {fused.py constant: value}); register counts from an offline sm_90 compile (n = 9, h = 2048).
+# (name, {fused.py constant: value}); register counts from an offline sm_90 compile (n = 9, h = 2048, the norm).
+# The defaults: one row over 4 warps both ways (forward: the n loads first, 128 registers, 4 programs per SM;
+# backward: sources reloaded in the grad loop, 255 registers, 2 programs per SM), 32 columns per finish program.
+_OLD_FORWARD = {"FORWARD_VALUES_PER_THREAD": 8, "FORWARD_PRELOAD": False}  # 8 warps, 48 registers
+_OLD_BACKWARD = {"BACKWARD_PRELOAD_VALUES_PER_THREAD": 4, "BACKWARD_RELOAD": False}  # 16 warps, 128 registers
+CONFIGS = [
+    ("default", {}),
+    ("old-layouts", {**_OLD_FORWARD, **_OLD_BACKWARD, "FINISH_BLOCK": 128}),  # before the 2026-12-01 sweep
+    ("fwd-old", _OLD_FORWARD),
+    ("fwd-no-preload", {"FORWARD_PRELOAD": False}),  # 72 registers
+    ("fwd-8vpt-preload", {"FORWARD_VALUES_PER_THREAD": 8}),  # 8 warps, 79 registers
+    ("bwd-old", _OLD_BACKWARD),
+    ("bwd-4vpt-reload", {"BACKWARD_PRELOAD_VALUES_PER_THREAD": 4}),  # 16 warps, 104 registers
+    ("bwd-8vpt-reload", {"BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 8 warps, 128 registers
+    ("bwd-1-per-sm", {"BACKWARD_PROGRAMS_PER_SM": 1}),  # half the partial-sum rows for the finish kernel
+    ("finish-64", {"FINISH_BLOCK": 64}),  # 32 finish programs instead of 64
+    ("finish-128", {"FINISH_BLOCK": 128}),  # 16: the block before the 2026-12-01 sweep
+]
+KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",
+           "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}
+
+
+def apply(changes: dict) -> dict:
+    """Set the changes on fused.py; returns what to restore."""
+    saved = {name: getattr(fused, name) for name in changes}
+    for name, value in changes.items():
+        setattr(fused, name, value)
+    return saved
+
+
+def kernel_ms(step, steps: int = 5) -> dict:
+    """Mean CUDA ms per step of the depth-attention kernels (and everything else) over ``steps`` steps."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(False)
+        torch.cuda.synchronize()
+    total = {"fwd": 0.0, "bwd": 0.0, "finish": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            total[KERNELS.get(e.key, "other")] += e.device_time_total / 1e3 / steps
+    total["attn_res"] = total["fwd"] + total["bwd"] + total["finish"]
+    return {k: round(v, 4) for k, v in total.items()}
+
+
+def compile_all(names: list[str], jobs: int) -> None:
+    """Compile each config's specialisations in its own process (tiny T, same keys), ``jobs`` at once."""
+    pending, running = list(names), []
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            running.append(subprocess.Popen([sys.executable, __file__, "--compile-only", name],
+                                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        proc = running.pop(0)
+        _, err = proc.communicate()
+        if proc.returncode:
+            print(f"compile of one config failed: {err[-400:]}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default=None, help="comma list of config names (default: all)")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--tolerance", type=float, default=2e-2)
+    parser.add_argument("--compile-only", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    wanted = set(args.only.split(",")) if args.only else None
+    configs = [(n, c) for n, c in CONFIGS if wanted is None or n in wanted or n == "default"]
+    if args.compile_only:
+        changes = dict(CONFIGS)[args.compile_only]
+        apply(changes)
+        schedule_step(device, torch.bfloat16, 64, args.hidden)(False)
+        torch.cuda.synchronize()
+        return
+    t0 = datetime.datetime.now(datetime.timezone.utc)
+    compile_all([n for n, _ in configs], args.jobs)
+    print(f"compiled {len(configs)} configs in {(datetime.datetime.now(datetime.timezone.utc) - t0).seconds} s",
+          flush=True)
+    import triton.testing
+
+    step = schedule_step(device, torch.bfloat16, args.tokens, args.hidden)
+    rows = {name: dict(config=name, changes=changes, step_ms=[], kernels=[]) for name, changes in configs}
+    reference = None
+    for name, changes in configs:  # grads first (also warms every config up)
+        saved = apply(changes)
+        try:
+            grads = step(False)
+            if reference is None:
+                reference = grads
+            err = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                      for a, b in zip(grads, reference))
+            rows[name].update(max_rel_diff=err, agrees=err <= args.tolerance)
+        except Exception as exc:  # a config that does not compile or crashes: reported, sweep goes on
+            rows[name]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            apply(saved)
+    for r in range(args.rounds):
+        order = configs if r % 2 == 0 else configs[::-1]
+        for name, changes in order:
+            if "error" in rows[name]:
+                continue
+            saved = apply(changes)
+            try:
+                rows[name]["step_ms"].append(triton.testing.do_bench(lambda: step(False), return_mode="median"))
+                rows[name]["kernels"].append(kernel_ms(step))
+            finally:
+                apply(saved)
+    table = []
+    for name, row in rows.items():
+        if "error" in row:
+            print(f"{name:24s} ERROR {row['error'][:120]}")
+            continue
+        best = min(row["kernels"], key=lambda k: k["attn_res"])
+        row["best_kernels"] = best
+        row["median_step_ms"] = sorted(row["step_ms"])[len(row["step_ms"]) // 2]
+        table.append(row)
+    base = rows["default"].get("best_kernels", {}).get("attn_res")
+    print(f"{'config':24s} {'fwd':>7s} {'bwd':>7s} {'finish':>7s} {'kernels':>8s} {'vs def':>7s} {'step':>7s} agrees")
+    for row in sorted(table, key=lambda r: r["best_kernels"]["attn_res"]):
+        k = row["best_kernels"]
+        print(f"{row['config']:24s} {k['fwd']:7.3f} {k['bwd']:7.3f} {k['finish']:7.3f} {k['attn_res']:8.3f} "
+              f"{k['attn_res'] / base:7.3f} {row['median_step_ms']:7.3f} {row['agrees']} ({row['max_rel_diff']:.1e})")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(dict(
+            device=torch.cuda.get_device_name(), date=t0.strftime("%Y-%m-%d %H:%M UTC"), torch=torch.__version__,
+            triton=__import__("triton").__version__, tokens=args.tokens, hidden=args.hidden,
+            what="one step's 17 depth-attention calls (N = 8, 16 sublayers), CUDA ms per kernel group "
+                 "(best of rounds) and do_bench step medians", rows=list(rows.values())), indent=1))
+
+
+if __name__ == "__main__":
+    main()
