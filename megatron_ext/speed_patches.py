@@ -10,9 +10,9 @@ path; with Apex or Transformer Engine present it does nothing.
 
 :func:`use_fused_adamw_step` goes further for Megatron's mixed-precision (non-distributed) optimizer: its
 ``step_with_ready_grads`` runs ``kernels.adamw`` (one pass per tensor: AdamW, the clip coefficient and the
-fp32-to-bf16 model copy; Megatron makes three), and inside the scoped step Megatron's
-``clip_grad_by_total_norm_fp32`` hands those optimizers' coefficient to that kernel instead of scaling the
-gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested). When DDP's
+fp32-to-bf16 model copy; Megatron makes three; the small tensors one launch per list), and inside the scoped
+step Megatron's ``clip_grad_by_total_norm_fp32`` hands those optimizers' coefficient to that kernel instead of
+scaling the gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested). When DDP's
 ``main_grad`` has the model parameter's own dtype (bf16 main grads: ``wrap_ddp(main_grad_dtype="bf16")``,
 Megatron's ``grad_reduce_in_fp32=False``), Megatron's ``_copy_model_grads_to_main_grads`` would make an fp32
 copy of every gradient (``main_grad.float()``); these optimizers instead point the model parameter's ``.grad``
@@ -172,10 +172,18 @@ def _grads_for_norm_via_model_params(filter_grads, model_of: dict):
     return filter_grads_for_norm
 
 
+# Tensors up to this size step together, one launch per (group, gradient dtype, model dtype, clip scale): for
+# them the launch costs the host more than the update costs the GPU (4 MB of fp32 moves in ~10 us on an H200,
+# a Triton launch takes the host ~20-30 us). Larger ones keep a launch each, where the kernel is specialised
+# to their aligned pointers.
+SMALL_TENSOR_NUMEL = 1 << 20
+
+
 @torch.no_grad()
 def _fused_adamw_step(opt, model_of: dict) -> bool:
-    """Megatron's ``step_with_ready_grads`` (inner step, then main -> model copy) as one kernel per tensor."""
-    from kernels.adamw import adamw_step_
+    """Megatron's ``step_with_ready_grads`` (inner step, then main -> model copy) as fused AdamW launches: one
+    per large tensor, one per list of small ones."""
+    from kernels.adamw import adamw_multi_step_, adamw_step_
 
     inner = opt.optimizer
     for group in inner.param_groups:
@@ -193,10 +201,18 @@ def _fused_adamw_step(opt, model_of: dict) -> bool:
         if params:
             torch._foreach_add_([s["step"] for s in states], 1.0)
         beta1, beta2 = group["betas"]
+        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"])
+        small: dict[tuple, list] = {}
         for p, state in zip(params, states):
-            adamw_step_(p, grads[id(p)], state["exp_avg"], state["exp_avg_sq"], state["step"],
-                        model_of.get(id(p)), lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                        weight_decay=group["weight_decay"], grad_scale=_pending_clip.pop(id(p), 1.0))
+            model, grad, scale = model_of.get(id(p)), grads[id(p)], _pending_clip.pop(id(p), 1.0)
+            item = (p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], model)
+            if p.numel() <= SMALL_TENSOR_NUMEL:
+                small.setdefault((grad.dtype, None if model is None else model.dtype, scale), []).append(item)
+            else:
+                adamw_step_(*item, **hyper, grad_scale=scale)
+        for (_, _, scale), items in small.items():
+            adamw_multi_step_(items, **hyper, grad_scale=scale)
     return True
 
 

@@ -21,3 +21,20 @@ def test_kernel_compiles_for_hopper_without_spills(grad):
     signature = {a: kinds.get(a, "*fp32") for a in kernel.arg_names if a not in constexprs}
     used = resources(compile_for(kernel, signature, constexprs, num_warps=fused.NUM_WARPS))
     assert used.spill_stores == 0 and used.spill_loads == 0, used
+
+
+@pytest.mark.parametrize("grad", ["bfloat16", "float32"])
+def test_multi_step_kernel_compiles_for_hopper_without_spills(grad):
+    """The one-launch-per-list kernel: pointers read from its table, the same update."""
+    import triton.language as tl
+
+    from kernels._compile_check import compile_for, resources
+    from kernels.adamw import fused
+
+    kernel = fused.adamw_multi_step_kernel
+    constexprs = dict(GRAD_DTYPE=getattr(tl, grad), MODEL_DTYPE=tl.bfloat16, HAS_MODEL=True,
+                      COLUMNS=fused.TABLE_COLUMNS, BLOCK=fused.BLOCK)
+    kinds = dict(table="*i64", block_tensor="*i32", block_start="*i64")
+    signature = {a: kinds.get(a, "fp32") for a in kernel.arg_names if a not in constexprs}
+    used = resources(compile_for(kernel, signature, constexprs, num_warps=fused.NUM_WARPS))
+    assert used.spill_stores == 0 and used.spill_loads == 0, used
