@@ -74,6 +74,9 @@ def parse_args(argv=None):
                         "no paired backward), in the same process: attnres_main_backward_step_ms")
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps (default: off, as in training's manual_gc)")
+    p.add_argument("--ab-adamw", action="store_true",
+                   help="also time both models with one fused-AdamW launch per tensor, the small ones too (as before "
+                        "speed_patches.SMALL_TENSOR_NUMEL), in the same process: the adamw_per_tensor entry")
     p.add_argument("--profile", choices=("standard", "attnres"), default=None,
                    help="instead of timing: profile 3 training steps of one model, print kernel and operator tables")
     return p.parse_args(argv)
@@ -98,7 +101,7 @@ def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=No
     result = bench_common.time_training_step(
         lambda: build_model_chunks(config), config, config.vocab_size, shape["seq"], shape["micro_batch"],
         warmup, steps, profiler=profiler, manual_gc=manual_gc)
-    return {"step_ms": result["step_ms"], "peak_mem_gb": result["peak_gb"]}
+    return {"step_ms": result["step_ms"], "optimizer_ms": result["optimizer_ms"], "peak_mem_gb": result["peak_gb"]}
 
 
 def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: int, cuda: bool) -> dict:
@@ -143,6 +146,7 @@ def profile_model(args, config, shape: dict, cuda: bool) -> str:
 
 
 def run(args) -> dict:
+    from megatron_ext import speed_patches
     from megatron_ext.parallel import initialize_parallel
 
     cuda = torch.cuda.is_available() and not args.smoke
@@ -159,11 +163,10 @@ def run(args) -> dict:
             model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm)
         return {"profile": profile_model(args, config, shape, cuda)}
     gc_on = not args.automatic_gc
+    attn_res_config = make_config(model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads,
+                                  fuse_norm=args.fuse_norm, pair_backward=args.pair_backward)
     standard = time_training_step(standard_config, shape, steps, warmup, manual_gc=gc_on)
-    attn_res = time_training_step(make_config(model, bf16=cuda, attn_res=True,
-                                              inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm,
-                                              pair_backward=args.pair_backward),
-                                  shape, steps, warmup, manual_gc=gc_on)
+    attn_res = time_training_step(attn_res_config, shape, steps, warmup, manual_gc=gc_on)
     ab = {}
     if args.ab_backward:  # the backward as on main: streaming kernel, every mixer's backward on its own
         import kernels.attn_res.fused as fused
@@ -177,12 +180,23 @@ def run(args) -> dict:
             fused.BACKWARD_KERNEL = kernel_before
         ab = {"attnres_main_backward_step_ms": main_backward["step_ms"],
               "attnres_main_backward_peak_mem_gb": main_backward["peak_mem_gb"]}
+    if args.ab_adamw:  # the small tensors' AdamW as before: a launch each
+        numel_before, speed_patches.SMALL_TENSOR_NUMEL = speed_patches.SMALL_TENSOR_NUMEL, 0
+        try:
+            per_tensor = {name: time_training_step(config, shape, steps, warmup, manual_gc=gc_on)
+                          for name, config in (("standard", standard_config), ("attnres", attn_res_config))}
+        finally:
+            speed_patches.SMALL_TENSOR_NUMEL = numel_before
+        ab["adamw_per_tensor"] = {f"{name}_{key}": r[key] for name, r in per_tensor.items()
+                                  for key in ("step_ms", "optimizer_ms")}
     dtype = torch.bfloat16 if cuda else torch.float32
     kernel = time_depth_attention(shape, model["hidden_size"], dtype, steps, warmup, cuda)
     return {
         "standard_step_ms": standard["step_ms"],
         "attnres_step_ms": attn_res["step_ms"],
         **ab,
+        "standard_optimizer_ms": standard["optimizer_ms"],
+        "attnres_optimizer_ms": attn_res["optimizer_ms"],
         "standard_peak_mem_gb": standard["peak_mem_gb"],
         "attnres_peak_mem_gb": attn_res["peak_mem_gb"],
         **kernel,
@@ -193,14 +207,20 @@ def run(args) -> dict:
             "mlp": "dense SwiGLU", "steps": steps, "warmup": warmup, "smoke": not cuda,
             "attn_res_inplace_source_grads": args.inplace_source_grads, "attn_res_fuse_norm": args.fuse_norm,
             "attn_res_pair_backward": args.pair_backward, "manual_gc": gc_on,
+            "adamw_small_tensor_numel": speed_patches.SMALL_TENSOR_NUMEL,
         },
     }
 
 
 def print_table(r: dict) -> None:
+    per_tensor = r.get("adamw_per_tensor")
     rows = [
         ("training step, standard residuals", f"{r['standard_step_ms']:.2f} ms", f"{r['standard_peak_mem_gb']:.2f} GB"),
         ("training step, Block AttnRes N=8", f"{r['attnres_step_ms']:.2f} ms", f"{r['attnres_peak_mem_gb']:.2f} GB"),
+        ("  optimizer.step() alone, standard / AttnRes", f"{r['standard_optimizer_ms']:.2f} ms",
+         f"{r['attnres_optimizer_ms']:.2f} ms"),
+        *([(f"  AdamW a launch per tensor: {name} step / optimizer", f"{per_tensor[name + '_step_ms']:.2f} ms",
+            f"{per_tensor[name + '_optimizer_ms']:.2f} ms") for name in ("standard", "attnres")] if per_tensor else []),
         *([("  ... with main's backward (A/B)", f"{r['attnres_main_backward_step_ms']:.2f} ms",
              f"{r['attnres_main_backward_peak_mem_gb']:.2f} GB")] if "attnres_main_backward_step_ms" in r else []),
         ("depth attention fwd+bwd, Triton", f"{r['kernel_ms']:.3f} ms", ""),
@@ -208,7 +228,7 @@ def print_table(r: dict) -> None:
     ]
     print(f"{r['device']}  {r['date']}")
     for name, time_col, mem_col in rows:
-        print(f"{name:<36} {time_col:>12} {mem_col:>10}")
+        print(f"{name:<52} {time_col:>12} {mem_col:>10}")
     overhead = r["attnres_step_ms"] / r["standard_step_ms"] - 1
     print(f"AttnRes step overhead: {overhead:+.1%}")
 

@@ -161,7 +161,9 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
                        micro_batch: int, warmup: int, steps: int, after_step: Callable[[list], None] | None = None,
                        profiler=None, fast_step: bool = True, main_grad_dtype: str = "fp32",
                        manual_gc: bool = True) -> dict:
-    """Median ms of one training step, the peak memory (GB) of this rank and the gradient buffer's dtype
+    """Median ms of one training step and of its ``optimizer.step()`` alone (``optimizer_ms``: timed after the
+    steps, again on the last gradients; where the GPU outruns the host this is the host's launch cost), the peak
+    memory (GB) of this rank and the gradient buffer's dtype
     (``main_grad_dtype``, e.g. ``"bf16"``: what ``main_grad_dtype``, see ``build_training_state``, resolved to;
     fp32 models always have fp32 gradients).
 
@@ -200,8 +202,10 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     try:
         with manual_gc_scope(manual_gc, 0):
             ms = median_ms(step, warmup, steps, model_device)
+            optimizer_ms = median_ms(optimizer.step, 1, steps, model_device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if model_device.type == "cuda" else 0.0
     finally:
         del chunks, optimizer, batch
         free_device_memory(model_device)
-    return {"step_ms": ms, "peak_gb": peak, "main_grad_dtype": DTYPE_NAMES.get(grad_dtype, str(grad_dtype))}
+    return {"step_ms": ms, "optimizer_ms": optimizer_ms, "peak_gb": peak,
+            "main_grad_dtype": DTYPE_NAMES.get(grad_dtype, str(grad_dtype))}
