@@ -244,7 +244,7 @@ FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one 
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
 BACKWARD_NORM_VALUES_PER_THREAD = 4  # backward with the fused output norm (backward_launch_config)
-# Which backward kernel: "preload" (every load of a tile before any store; needed for the
+# Which backward kernel: "preload" (a tile's loads before its stores, see BACKWARD_RELOAD; needed for the
 # paired / subset backward) or "stream" (the earlier one: one source prefetched ahead).
 BACKWARD_KERNEL = "preload"
 # 4 warps at h = 2048 with RELOAD: two programs per SM (n = 9 with the norm: 255 registers, ~48 bytes spilled to

@@ -44,10 +44,10 @@ def _depth_attention_bwd_preload_kernel(
     NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, OUT_NORM_GRAD: tl.constexpr,
     RELOAD: tl.constexpr,
 ):
-    """The backward with every load of a token tile issued before any store (``dy``, ``out``, the
-    n sources, the old grads being added to), kept in registers as loaded (tuples over the
-    unrolled sources); then the reductions and the grads, stored source by source. The streaming
-    kernel above could only prefetch one source ahead (its stores might alias the next loads).
+    """The backward with the loads of a token tile issued before any store (``dy``, ``out``, the
+    n sources, and without ``RELOAD`` the old grads being added to), kept in registers as loaded
+    (tuples over the unrolled sources); then the reductions and the grads, stored source by source.
+    The streaming kernel could only prefetch one source ahead (its stores might alias the next loads).
 
     ``SUBSET``: the sources are some of the call's (``lse`` covers all of them), so one source
     does not mean a constant softmax. ``PAIRED`` > 0: the first PAIRED sources also get the
