@@ -57,7 +57,7 @@ import triton.language as tl
 # the preload backward lives in its own file; its kernels stay reachable here by name (tools and tests look
 # them up on this module, e.g. tools/bench_attnres_overhead.py stubs them)
 from kernels.attn_res.preload_bwd import _depth_attention_bwd_preload_kernel, _depth_attention_finish_kernel
-from kernels.attn_res.reductions import _add_pair, _add_triple
+from kernels.attn_res.reductions import row_sums2, row_sums3
 
 
 @triton.jit
@@ -92,7 +92,7 @@ def _depth_attention_fwd_kernel(
         else:
             v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
         if FUSE_REDUCTIONS:
-            square_sum, vu = tl.reduce((v * v, v * u[None, :]), 1, _add_pair)
+            square_sum, vu = row_sums2(v * v, v * u[None, :])
         else:
             square_sum = tl.sum(v * v, axis=1)
             vu = tl.sum(v * u[None, :], axis=1)
@@ -174,7 +174,7 @@ def _depth_attention_bwd_kernel(
                 if (ACCUMULATE >> i) & 1:
                     old = tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0)
             if FUSE_REDUCTIONS:
-                square_sum, vu, da = tl.reduce((v * v, v * u[None, :], v * dout), 1, _add_triple)
+                square_sum, vu, da = row_sums3(v * v, v * u[None, :], v * dout)
             else:
                 square_sum = tl.sum(v * v, axis=1)
                 vu = tl.sum(v * u[None, :], axis=1)

@@ -14,7 +14,7 @@ streaming kernel's (module docstring of ``fused.py``).
 import triton
 import triton.language as tl
 
-from kernels.attn_res.reductions import _add_five, _add_triple
+from kernels.attn_res.reductions import row_sums3, row_sums5
 
 
 @triton.jit
@@ -126,10 +126,9 @@ def _depth_attention_bwd_preload_kernel(
         for i in tl.static_range(N):
             v = vs[i].to(tl.float32)
             if i < PAIRED:
-                square_sum, vu, da, vu2, da2 = tl.reduce(
-                    (v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2), 1, _add_five)
+                square_sum, vu, da, vu2, da2 = row_sums5(v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2)
             else:
-                square_sum, vu, da = tl.reduce((v * v, v * u[None, :], v * dout), 1, _add_triple)
+                square_sum, vu, da = row_sums3(v * v, v * u[None, :], v * dout)
             rstd = tl.rsqrt(square_sum / H + eps)
             rstds, logits, das = rstds + (rstd,), logits + (vu * rstd,), das + (da,)
             if i < PAIRED:
