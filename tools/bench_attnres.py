@@ -3,9 +3,13 @@
 Runs, in one process:
 
 1. the training step (forward + backward + optimizer) of the same dense decoder with standard
-   residuals and with Block AttnRes (N = 8 blocks): median step time over ``--steps`` steps
-   after ``--warmup`` (CUDA events) and peak allocated memory (weights, AdamW state and
-   activations). GPU model: 8 layers, hidden 2048, 16 heads (4 KV groups), SwiGLU FFN 5632,
+   residuals and with Block AttnRes (N = 8 blocks), both models on the GPU at once and timed in
+   alternating rounds (``--rounds`` x ``--steps-per-round`` steps each, after ``--warmup``; CUDA
+   events), so that a drift of the machine during the run falls on both: ``standard_step_ms`` /
+   ``attnres_step_ms`` are the medians of all their steps, ``overhead_round_median`` the median
+   over rounds of the per-round ratio. Then each model alone, one after the other
+   (``sequential``: ``--steps`` steps after ``--warmup``), for its peak allocated memory (weights,
+   AdamW state and activations) and its ``optimizer.step()`` time. GPU model: 8 layers, hidden 2048, 16 heads (4 KV groups), SwiGLU FFN 5632,
    vocab 32000, seq 4096, micro-batch 2, bf16 (Megatron Float16Module + bf16 AdamW), full
    attention ("A"), dense MLP, no parallelism;
 2. the fused depth-attention kernel against its PyTorch reference (``kernels.attn_res``
@@ -62,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (code path check)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 12 GPU, 2 smoke)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3 GPU, 1 smoke)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="alternating rounds of the interleaved timing (default 10 GPU, 2 smoke)")
+    p.add_argument("--steps-per-round", type=int, default=None,
+                   help="timed steps of each model per round (default 4 GPU, 1 smoke)")
     p.add_argument("--no-inplace-source-grads", dest="inplace_source_grads", action="store_false",
                    help="AttnRes with autograd's per-call source-gradient sums (attn_res_inplace_source_grads=False)")
     p.add_argument("--no-fuse-norm", dest="fuse_norm", action="store_false",
@@ -102,6 +110,18 @@ def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=No
         lambda: build_model_chunks(config), config, config.vocab_size, shape["seq"], shape["micro_batch"],
         warmup, steps, profiler=profiler, manual_gc=manual_gc)
     return {"step_ms": result["step_ms"], "optimizer_ms": result["optimizer_ms"], "peak_mem_gb": result["peak_gb"]}
+
+
+def time_interleaved(standard_config, attn_res_config, shape: dict, warmup: int, rounds: int,
+                     steps_per_round: int, manual_gc: bool = True) -> dict:
+    """Both models resident, timed in alternating rounds (``bench_common.time_interleaved_training_steps``)."""
+    from megatron_ext.parallel import build_model_chunks
+
+    models = {name: (lambda config=config: build_model_chunks(config), config)
+              for name, config in (("standard", standard_config), ("attnres", attn_res_config))}
+    return bench_common.time_interleaved_training_steps(
+        models, standard_config.vocab_size, shape["seq"], shape["micro_batch"], warmup, rounds, steps_per_round,
+        manual_gc=manual_gc)
 
 
 def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: int, cuda: bool) -> dict:
@@ -165,6 +185,9 @@ def run(args) -> dict:
     gc_on = not args.automatic_gc
     attn_res_config = make_config(model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads,
                                   fuse_norm=args.fuse_norm, pair_backward=args.pair_backward)
+    interleaved = time_interleaved(standard_config, attn_res_config, shape, warmup,
+                                   args.rounds or (10 if cuda else 2), args.steps_per_round or (4 if cuda else 1),
+                                   manual_gc=gc_on)
     standard = time_training_step(standard_config, shape, steps, warmup, manual_gc=gc_on)
     attn_res = time_training_step(attn_res_config, shape, steps, warmup, manual_gc=gc_on)
     ab = {}
@@ -192,8 +215,11 @@ def run(args) -> dict:
     dtype = torch.bfloat16 if cuda else torch.float32
     kernel = time_depth_attention(shape, model["hidden_size"], dtype, steps, warmup, cuda)
     return {
-        "standard_step_ms": standard["step_ms"],
-        "attnres_step_ms": attn_res["step_ms"],
+        "standard_step_ms": interleaved["standard"]["step_ms"],
+        "attnres_step_ms": interleaved["attnres"]["step_ms"],
+        "overhead_round_median": interleaved["ratio_median"]["attnres"] - 1,
+        "round_ms": {name: interleaved[name]["round_ms"] for name in ("standard", "attnres")},
+        "sequential": {"standard_step_ms": standard["step_ms"], "attnres_step_ms": attn_res["step_ms"]},
         **ab,
         "standard_optimizer_ms": standard["optimizer_ms"],
         "attnres_optimizer_ms": attn_res["optimizer_ms"],
@@ -205,6 +231,8 @@ def run(args) -> dict:
         "settings": {
             "model": model, **shape, "attn_res_num_blocks": ATTN_RES_BLOCKS, "dtype": str(dtype),
             "mlp": "dense SwiGLU", "steps": steps, "warmup": warmup, "smoke": not cuda,
+            "rounds": len(interleaved["standard"]["round_ms"]),
+            "steps_per_round": args.steps_per_round or (4 if cuda else 1),
             "attn_res_inplace_source_grads": args.inplace_source_grads, "attn_res_fuse_norm": args.fuse_norm,
             "attn_res_pair_backward": args.pair_backward, "manual_gc": gc_on,
             "adamw_small_tensor_numel": speed_patches.SMALL_TENSOR_NUMEL,
@@ -214,9 +242,12 @@ def run(args) -> dict:
 
 def print_table(r: dict) -> None:
     per_tensor = r.get("adamw_per_tensor")
+    sequential = r["sequential"]
     rows = [
         ("training step, standard residuals", f"{r['standard_step_ms']:.2f} ms", f"{r['standard_peak_mem_gb']:.2f} GB"),
         ("training step, Block AttnRes N=8", f"{r['attnres_step_ms']:.2f} ms", f"{r['attnres_peak_mem_gb']:.2f} GB"),
+        ("  each alone, one after the other: standard / AttnRes", f"{sequential['standard_step_ms']:.2f} ms",
+         f"{sequential['attnres_step_ms']:.2f} ms"),
         ("  optimizer.step() alone, standard / AttnRes", f"{r['standard_optimizer_ms']:.2f} ms",
          f"{r['attnres_optimizer_ms']:.2f} ms"),
         *([(f"  AdamW a launch per tensor: {name} step / optimizer", f"{per_tensor[name + '_step_ms']:.2f} ms",
@@ -230,7 +261,8 @@ def print_table(r: dict) -> None:
     for name, time_col, mem_col in rows:
         print(f"{name:<52} {time_col:>12} {mem_col:>10}")
     overhead = r["attnres_step_ms"] / r["standard_step_ms"] - 1
-    print(f"AttnRes step overhead: {overhead:+.1%}")
+    print(f"AttnRes step overhead: {overhead:+.1%} (medians of the interleaved steps; median of the "
+          f"{len(r['round_ms']['standard'])} rounds' ratios {r['overhead_round_median']:+.1%})")
 
 
 def main(argv=None) -> dict:

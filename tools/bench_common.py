@@ -9,7 +9,8 @@
 * :func:`write_kernel_report` - the JSON a kernel benchmark writes (op, device, date, versions, rows);
 * :func:`synthetic_batch` - one random-token microbatch in the ``megatron_ext.data`` format;
 * :func:`time_training_step` - forward + backward (Megatron schedule) + AdamW of a model built by
-  a callable: median step time and peak memory, everything freed afterwards.
+  a callable: median step time and peak memory, everything freed afterwards;
+  :func:`time_interleaved_training_steps` the step times of several models timed in alternating rounds.
 """
 
 from __future__ import annotations
@@ -135,6 +136,72 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def training_step_fn(chunks: list, optimizer, vocab_size: int, seq: int, micro_batch: int,
+                     after_step: Callable[[list], None] | None = None, profiler=None) -> Callable[[], None]:
+    """One training step of built chunks on a fixed synthetic microbatch (this rank's own tokens: under EP
+    every rank routes a different batch, as in training): zero the grads, forward + backward through
+    Megatron's schedule, ``optimizer.step()``, ``after_step(chunks)``, ``profiler.step()``."""
+    from megatron_ext.training.step import forward_backward
+
+    model_device = next(chunks[0].parameters()).device
+    batch = [synthetic_batch(vocab_size, seq, micro_batch, model_device, seed=dist.get_rank())]
+
+    def step():
+        for c in chunks:
+            c.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(chunks, batch, seq, micro_batch)
+        optimizer.step()
+        if after_step is not None:
+            after_step(chunks)
+        if profiler is not None:
+            profiler.step()
+
+    return step
+
+
+def time_interleaved_training_steps(models: dict[str, tuple[Callable[[], list], object]], vocab_size: int,
+                                    seq: int, micro_batch: int, warmup: int, rounds: int,
+                                    steps_per_round: int, manual_gc: bool = True) -> dict:
+    """Step times of several models resident at once, timed in alternating rounds (one process, one rank).
+
+    Models built by ``models[name] = (build_chunks, config)`` all stay on the device; after ``warmup`` steps
+    each, every round times ``steps_per_round`` steps of each model, the order reversed every other round,
+    so that a drift of the machine (clocks, the host's load) falls on every model alike. Returns
+    ``{name: {"step_ms": median of all its steps, "round_ms": [median per round]}}`` plus
+    ``"ratio_median"``: ``{name: median over rounds of its round median / the first model's}``."""
+    from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    free_device_memory(device)
+    steps = {}
+    for name, (build_chunks, config) in models.items():
+        chunks, optimizer = build_training_state(build_chunks, config, micro_batches_per_step=1)
+        steps[name] = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch)
+    times: dict[str, list[list[float]]] = {name: [] for name in steps}
+    try:
+        with manual_gc_scope(manual_gc, 0):
+            for step in steps.values():
+                for _ in range(warmup):
+                    step()
+            for r in range(rounds):
+                for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
+                    times[name].append([call_ms(steps[name], device.type == "cuda")
+                                        for _ in range(steps_per_round)])
+    finally:
+        del steps
+        free_device_memory(device)
+    first = next(iter(times))
+    result: dict = {name: {"step_ms": statistics.median(t for one_round in per_round for t in one_round),
+                           "round_ms": [statistics.median(one_round) for one_round in per_round]}
+                    for name, per_round in times.items()}
+    result["ratio_median"] = {
+        name: statistics.median(a / b for a, b in zip(result[name]["round_ms"], result[first]["round_ms"]))
+        for name in times}
+    return result
+
+
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -176,7 +243,6 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     no collection inside the timed window); False leaves the automatic collector on.
     """
     from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
-    from megatron_ext.training.step import forward_backward
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")
@@ -185,19 +251,7 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
                                              micro_batches_per_step=1)
     grad_dtype = next(p.main_grad.dtype for c in chunks for p in c.parameters() if hasattr(p, "main_grad"))
     model_device = next(chunks[0].parameters()).device
-    # Each rank its own tokens (under EP every rank routes a different batch, as in training).
-    batch = [synthetic_batch(vocab_size, seq, micro_batch, model_device, seed=dist.get_rank())]
-
-    def step():
-        for c in chunks:
-            c.zero_grad_buffer()
-        optimizer.zero_grad()
-        forward_backward(chunks, batch, seq, micro_batch)
-        optimizer.step()
-        if after_step is not None:
-            after_step(chunks)
-        if profiler is not None:
-            profiler.step()
+    step = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch, after_step, profiler)
 
     try:
         with manual_gc_scope(manual_gc, 0):
@@ -205,7 +259,7 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
             optimizer_ms = median_ms(optimizer.step, 1, steps, model_device)
         peak = torch.cuda.max_memory_allocated() / 2**30 if model_device.type == "cuda" else 0.0
     finally:
-        del chunks, optimizer, batch
+        del chunks, optimizer, step
         free_device_memory(model_device)
     return {"step_ms": ms, "optimizer_ms": optimizer_ms, "peak_gb": peak,
             "main_grad_dtype": DTYPE_NAMES.get(grad_dtype, str(grad_dtype))}

@@ -17,7 +17,8 @@ def test_bench_smoke_writes_json(tmp_path):
     out = tmp_path / "attnres.json"
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(root / "tools" / "bench_attnres.py"), "--smoke", "--ab-backward", "--out", str(out)],
+        [sys.executable, str(root / "tools" / "bench_attnres.py"), "--smoke", "--ab-backward", "--rounds", "3",
+         "--out", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -25,4 +26,11 @@ def test_bench_smoke_writes_json(tmp_path):
     assert KEYS <= set(result)
     for key in ("standard_step_ms", "attnres_step_ms", "attnres_main_backward_step_ms", "kernel_ms", "reference_ms"):
         assert result[key] > 0, key
+    # Interleaved timing: one median per round and model, headline = medians of all interleaved steps.
+    rounds = result["round_ms"]
+    assert len(rounds["standard"]) == len(rounds["attnres"]) == result["settings"]["rounds"] == 3
+    assert min(rounds["standard"]) <= result["standard_step_ms"] <= max(rounds["standard"])
+    ratios = sorted(a / s for a, s in zip(rounds["attnres"], rounds["standard"]))
+    assert abs(result["overhead_round_median"] - (ratios[1] - 1)) < 1e-9
+    assert result["sequential"]["standard_step_ms"] > 0 and result["sequential"]["attnres_step_ms"] > 0
     assert "Block AttnRes" in proc.stdout

@@ -35,7 +35,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG"
 step tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/kda tests/attn_res
 step train ${TRAIN_LIMIT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_training.py ${TRAIN_FLAGS:-}
-step attnres 90 python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
+step attnres ${ATTNRES_LIMIT:-150} python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
 step moe ${MOE_LIMIT:-60} python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
 step moe2 ${MOE_LIMIT:-60} torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
 step routing 45 python3 tools/bench_routing.py --out "$OUT/routing-h200.json"
