@@ -105,7 +105,7 @@ class HybridConfig(TransformerConfig):
     attn_res_fuse_norm: bool = True
     # With in-place source grads and the Triton kernels: the attention and MLP mixers of a layer
     # share one backward pass over the blocks both read (kernels/attn_res/pair.py).
-    attn_res_pair_backward: bool = False
+    attn_res_pair_backward: bool = True
     # The LM loss through kernels.cross_entropy (megatron_ext/layers/lm_loss.py): the logits read once
     # forward and once backward, no fp32 copy of them. False: Megatron's vocab_parallel_cross_entropy.
     fused_cross_entropy: bool = True

@@ -52,9 +52,16 @@ class FusedDepthAttention(torch.autograd.Function):
             if pair_role.index == 0:
                 pair_role.pair.record_first(sources, source_grads, eps, norm_out)
             else:
-                ctx.shared = pair_role.pair.shared_count(sources, source_grads, eps, norm_out)
+                shared = pair_role.pair.shared_count(sources, source_grads, eps, norm_out)
+                # Paired only with the norm fused: then the output below is saved in fp32 for a precise c;
+                # unfused it is the tensor the sublayer reads, in the sources' dtype (docs/attn_res.md).
+                ctx.shared = shared if norm_out else 0
+        # The second call of a pair gets c = dout . out from its saved output (its sources are split over two
+        # backward kernels): saved in fp32, c is as precise as the sum over the sources. With the norm fused
+        # that output is saved by this op alone (docs/attn_res.md, Precision of c).
+        out_dtype = torch.float32 if ctx.shared else None
         out, lse, normed, out_rstd = fused_depth_attention_forward(
-            views, query, norm_weight, eps, out_norm_weight, out_norm_eps
+            views, query, norm_weight, eps, out_norm_weight, out_norm_eps, out_dtype
         )
         ctx.save_for_backward(query, norm_weight, out, lse, out_norm_weight, out_rstd, *sources)
         return out if normed is None else normed

@@ -106,7 +106,7 @@ def _depth_attention_fwd_kernel(
     out = (acc / normaliser[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs, out, mask=mask)
     tl.store(lse_ptr + rows, running_max + tl.log(normaliser), mask=row_mask)
-    if NORM_OUT:  # RMSNorm of the rounded output, as the sublayer's norm would compute it
+    if NORM_OUT:  # RMSNorm of the output as stored (rounded to its dtype), as the sublayer's norm would compute it
         x = out.to(tl.float32)
         out_rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + out_norm_eps)
         gamma_out = tl.load(out_norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -296,16 +296,17 @@ def fused_depth_attention_forward(
     eps: float,
     out_norm_weight: torch.Tensor | None = None,
     out_norm_eps: float = 0.0,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``sources``: n contiguous ``[..., h]`` tensors (T tokens); returns (``out`` of their shape
-    and dtype, ``lse [T]`` fp32, the log of the softmax normaliser, ``normed``, ``out_rstd``):
-    with ``out_norm_weight`` also ``normed = RMSNorm(out)`` (out's shape and dtype) and its
-    ``rstd [T]`` fp32; otherwise those two are ``None``."""
+    and dtype (``out_dtype`` if given), ``lse [T]`` fp32, the log of the softmax normaliser, ``normed``,
+    ``out_rstd``): with ``out_norm_weight`` also ``normed = RMSNorm(out)`` (the sources' shape and dtype) and
+    its ``rstd [T]`` fp32; otherwise those two are ``None``."""
     T, H = _tokens(sources[0])
     norm_out = out_norm_weight is not None
-    out = torch.empty_like(sources[0])
+    out = torch.empty(sources[0].shape, dtype=out_dtype or sources[0].dtype, device=sources[0].device)
     lse = torch.empty(T, dtype=torch.float32, device=out.device)
-    normed = torch.empty_like(out) if norm_out else None
+    normed = torch.empty_like(sources[0]) if norm_out else None
     out_rstd = torch.empty(T, dtype=torch.float32, device=out.device) if norm_out else None
     if T == 0:
         return out, lse, normed, out_rstd
@@ -419,7 +420,8 @@ def fused_depth_attention_backward_sums(
         cfg = backward_launch_config(H, norm_out)
         kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
                       FUSE_REDUCTIONS=BACKWARD_FUSE_REDUCTIONS, PREFETCH=BACKWARD_PREFETCH, NORM_OUT=norm_out)
-    key = (device, kernel, *kwargs.values(), cfg, sources[0].dtype, BACKWARD_PROGRAMS_PER_SM)
+    key = (device, kernel, *kwargs.values(), cfg, sources[0].dtype, out.dtype,
+           None if paired is None else paired.out.dtype, BACKWARD_PROGRAMS_PER_SM)
     capacity = _backward_capacities.get(key)
     programs = max(1, min(-(-T // cfg.block_t), capacity or 1))
     # One fp32 buffer for every per-program partial-sum array, [rows, programs, h]: g, then

@@ -20,7 +20,8 @@ Per layer with m shared blocks this moves ``2 m + 8 + m_acc`` [T, h] tensors ins
 
 Pairing needs the shared sources tracked (``track_source_grad``: their grads never go through
 autograd, so it does not matter which node writes them), the same key-norm ``eps`` and both calls
-with or both without the fused output norm; the Triton path only. Otherwise each call runs its
+with the fused output norm (the second call's output is then saved in fp32, for a precise softmax
+backward; ``function.py``); the Triton path only. Otherwise each call runs its
 own backward as before. The second call's deferred inputs are kept from its backward until the
 first call's (one layer's attention-sublayer backward): two ``[T, h]`` tensors more at peak.
 If the first call's backward never ran in a backward pass in which the second call deferred, the

@@ -110,7 +110,7 @@ class AttnResTransformerLayer(TransformerLayer):
         block_size = sublayers_per_block(config)
         first = 2 * (self.layer_number - 1)  # layer_number is global and 1-based
         self.closes = (closes_block(first, block_size), closes_block(first + 1, block_size))
-        self.pair_backward = getattr(config, "attn_res_pair_backward", False)
+        self.pair_backward = getattr(config, "attn_res_pair_backward", True)
 
     def _output(self, output_with_bias) -> torch.Tensor:
         output, bias = output_with_bias

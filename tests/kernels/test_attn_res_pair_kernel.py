@@ -121,18 +121,26 @@ def test_untracked_or_different_sources_are_not_paired():
 
 
 @interpreter_case
-def test_deferred_grads_never_collected_raise():
+@pytest.mark.parametrize("fused_norm", [True, False], ids=["mix+rmsnorm", "mix"])
+def test_deferred_grads_never_collected_raise(fused_norm):
     # The second call defers the shared blocks' grads to the first, whose backward never runs
-    # here (its output does not reach the loss): taking the blocks' sums must fail loudly.
-    blocks, partial, params, _ = _leaves(2, True, False, 4)
+    # here (its output does not reach the loss): taking the blocks' sums must fail loudly. Calls without
+    # the fused norm are not paired (their c would come from a bf16 output): nothing is deferred.
+    blocks, partial, params, _ = _leaves(2, True, fused_norm, 4)
     tracked = [track_source_grad(b) for b in blocks]
     sources, grads = [t for t, _ in tracked], [g for _, g in tracked]
     link = DepthPair(params[1][0], params[1][1])
-    depth_attention(sources, params[0][0], params[0][1], impl="triton", source_grads=grads, pair=link.first)
+    depth_attention(sources, params[0][0], params[0][1], impl="triton", source_grads=grads, pair=link.first,
+                    out_norm_weight=params[0][2])
     y = depth_attention(sources + [partial], params[1][0], params[1][1], impl="triton",
-                        source_grads=grads + [None], pair=link.second)
-    with pytest.raises(RuntimeError, match="deferred"):
-        torch.autograd.grad(y.sum(), blocks)
+                        source_grads=grads + [None], pair=link.second, out_norm_weight=params[1][2])
+    if fused_norm:
+        with pytest.raises(RuntimeError, match="deferred"):
+            torch.autograd.grad(y.sum(), blocks)
+        return
+    got = torch.autograd.grad(y.sum(), blocks)
+    y = depth_attention(blocks + [partial], params[1][0], params[1][1], impl="torch")
+    _compare(got, torch.autograd.grad(y.sum(), blocks))
 
 
 @interpreter_case
@@ -160,10 +168,11 @@ def test_backward_kernels_match_reference(monkeypatch, kernel, hidden):
         _compare(results[0], results[1])
 
 
-def _two_source_layer_grads(kernel, dtype, impl, tokens=64, hidden=512):
+def _two_source_layer_grads(kernel, dtype, impl, paired=False, tokens=64, hidden=512):
     """Grads of one block, a one-source mix, a two-source mix over the block and the (bf16-rounded) first
     mix's tanh, with the fused output norm, and a final one-source mix: the case where the softmax backward's
-    c = sum_i a_i (dout . v_i) is a difference of close numbers."""
+    c = sum_i a_i (dout . v_i) is a difference of close numbers. ``paired``: the two mixes share their
+    backward over the block (``DepthPair``), the second one's c then comes from its saved output."""
     import kernels.attn_res.fused as fused
 
     saved, fused.BACKWARD_KERNEL = fused.BACKWARD_KERNEL, kernel
@@ -175,11 +184,12 @@ def _two_source_layer_grads(kernel, dtype, impl, tokens=64, hidden=512):
                    (1 + 0.2 * torch.randn(hidden, generator=gen)).requires_grad_(True)] for _ in range(3)]
         weights = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
         source, source_grad = track_source_grad(block)
+        link = DepthPair(*params[1][:2]) if paired else None
         x = depth_attention([source], *params[0][:2], impl=impl, source_grads=[source_grad],
-                            out_norm_weight=params[0][2])
+                            out_norm_weight=params[0][2], pair=link.first if paired else None)
         p = torch.tanh(x.float()).to(dtype)
         y = depth_attention([source, p], *params[1][:2], impl=impl, source_grads=[source_grad, None],
-                            out_norm_weight=params[1][2])
+                            out_norm_weight=params[1][2], pair=link.second if paired else None)
         z = depth_attention([source], *params[2][:2], impl=impl, source_grads=[source_grad],
                             out_norm_weight=params[2][2])
         loss = (y.float() * weights[0]).sum() + (z.float() * weights[1]).sum()
@@ -189,17 +199,19 @@ def _two_source_layer_grads(kernel, dtype, impl, tokens=64, hidden=512):
 
 
 @interpreter_case
-@pytest.mark.parametrize("kernel", [
-    "preload",
-    pytest.param("stream", marks=pytest.mark.xfail(strict=True, reason="the streaming kernel takes c from the "
-                                                   "stored bf16 output (docs/attn_res.md, Precision of c)")),
-])
-def test_bf16_two_source_mix_grads_as_precise_as_torch_bf16(kernel):
+@pytest.mark.parametrize("kernel, paired", [
+    ("preload", False),
+    ("preload", True),  # the second call's c from its output, saved in fp32
+    pytest.param("stream", False, marks=pytest.mark.xfail(
+        strict=True, reason="the streaming kernel takes c from the stored bf16 output (docs/attn_res.md, "
+                            "Precision of c)")),
+], ids=["preload", "preload+pair", "stream"])
+def test_bf16_two_source_mix_grads_as_precise_as_torch_bf16(kernel, paired):
     """bf16 in the interpreter (these kernels have no tl.dot, so its bf16 is the GPU's): every grad within 2x
     the error of PyTorch's bf16 autograd (+ 5e-3) against fp32."""
     want = _two_source_layer_grads(kernel, torch.float32, "torch")
     torch_bf16 = _two_source_layer_grads(kernel, torch.bfloat16, "torch")
-    got = _two_source_layer_grads(kernel, torch.bfloat16, "triton")
+    got = _two_source_layer_grads(kernel, torch.bfloat16, "triton", paired=paired)
 
     def rel(a, b):
         return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
