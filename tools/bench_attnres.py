@@ -74,9 +74,11 @@ def parse_args(argv=None):
                    help="AttnRes with autograd's per-call source-gradient sums (attn_res_inplace_source_grads=False)")
     p.add_argument("--no-fuse-norm", dest="fuse_norm", action="store_false",
                    help="AttnRes with the sublayer norms run separately on the mix (attn_res_fuse_norm=False)")
-    p.add_argument("--pair-backward", action="store_true",
-                   help="attn_res_pair_backward on (default off, as in HybridConfig: the paired second call keeps the "
-                        "stored-output softmax c)")
+    p.add_argument("--pair-backward", action=argparse.BooleanOptionalAction, default=None,
+                   help="attn_res_pair_backward on / off (default: HybridConfig's, on)")
+    p.add_argument("--ab-pair", action="store_true",
+                   help="also time AttnRes without the paired backward, a third model in the interleaved rounds: "
+                        "attnres_unpaired_step_ms")
     p.add_argument("--ab-backward", action="store_true",
                    help="also time the AttnRes step with the depth-attention backward as on main (streaming kernel, "
                         "no paired backward), in the same process: attnres_main_backward_step_ms")
@@ -91,13 +93,14 @@ def parse_args(argv=None):
 
 
 def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True, fuse_norm: bool = True,
-                pair_backward: bool = False):
+                pair_backward: bool | None = None):
     from megatron_ext.config import HybridConfig
 
     dtype = torch.bfloat16 if bf16 else torch.float32
     extra = dict(attn_res=True, attn_res_num_blocks=ATTN_RES_BLOCKS,
-                 attn_res_inplace_source_grads=inplace_source_grads, attn_res_fuse_norm=fuse_norm,
-                 attn_res_pair_backward=pair_backward) if attn_res else {}
+                 attn_res_inplace_source_grads=inplace_source_grads, attn_res_fuse_norm=fuse_norm) if attn_res else {}
+    if attn_res and pair_backward is not None:
+        extra["attn_res_pair_backward"] = pair_backward
     return HybridConfig(bf16=bf16, params_dtype=torch.float32, pipeline_dtype=dtype,
                         use_cpu_initialization=not bf16, **model, **extra)
 
@@ -112,15 +115,16 @@ def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=No
     return {"step_ms": result["step_ms"], "optimizer_ms": result["optimizer_ms"], "peak_mem_gb": result["peak_gb"]}
 
 
-def time_interleaved(standard_config, attn_res_config, shape: dict, warmup: int, rounds: int,
-                     steps_per_round: int, manual_gc: bool = True) -> dict:
-    """Both models resident, timed in alternating rounds (``bench_common.time_interleaved_training_steps``)."""
+def time_interleaved(configs: dict, shape: dict, warmup: int, rounds: int, steps_per_round: int,
+                     manual_gc: bool = True) -> dict:
+    """The models of ``configs`` (name -> config, the baseline first) resident at once, timed in alternating
+    rounds (``bench_common.time_interleaved_training_steps``)."""
     from megatron_ext.parallel import build_model_chunks
 
-    models = {name: (lambda config=config: build_model_chunks(config), config)
-              for name, config in (("standard", standard_config), ("attnres", attn_res_config))}
+    models = {name: (lambda config=config: build_model_chunks(config), config) for name, config in configs.items()}
+    first = next(iter(configs.values()))
     return bench_common.time_interleaved_training_steps(
-        models, standard_config.vocab_size, shape["seq"], shape["micro_batch"], warmup, rounds, steps_per_round,
+        models, first.vocab_size, shape["seq"], shape["micro_batch"], warmup, rounds, steps_per_round,
         manual_gc=manual_gc)
 
 
@@ -185,7 +189,10 @@ def run(args) -> dict:
     gc_on = not args.automatic_gc
     attn_res_config = make_config(model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads,
                                   fuse_norm=args.fuse_norm, pair_backward=args.pair_backward)
-    interleaved = time_interleaved(standard_config, attn_res_config, shape, warmup,
+    more = {"attnres_unpaired": make_config(model, bf16=cuda, attn_res=True,
+                                            inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm,
+                                            pair_backward=False)} if args.ab_pair else {}
+    interleaved = time_interleaved({"standard": standard_config, "attnres": attn_res_config, **more}, shape, warmup,
                                    args.rounds or (10 if cuda else 2), args.steps_per_round or (4 if cuda else 1),
                                    manual_gc=gc_on)
     standard = time_training_step(standard_config, shape, steps, warmup, manual_gc=gc_on)
@@ -218,7 +225,9 @@ def run(args) -> dict:
         "standard_step_ms": interleaved["standard"]["step_ms"],
         "attnres_step_ms": interleaved["attnres"]["step_ms"],
         "overhead_round_median": interleaved["ratio_median"]["attnres"] - 1,
-        "round_ms": {name: interleaved[name]["round_ms"] for name in ("standard", "attnres")},
+        "round_ms": {name: interleaved[name]["round_ms"] for name in ("standard", "attnres", *more)},
+        **({"attnres_unpaired_step_ms": interleaved["attnres_unpaired"]["step_ms"],
+            "overhead_round_median_unpaired": interleaved["ratio_median"]["attnres_unpaired"] - 1} if more else {}),
         "sequential": {"standard_step_ms": standard["step_ms"], "attnres_step_ms": attn_res["step_ms"]},
         **ab,
         "standard_optimizer_ms": standard["optimizer_ms"],
@@ -234,7 +243,7 @@ def run(args) -> dict:
             "rounds": len(interleaved["standard"]["round_ms"]),
             "steps_per_round": args.steps_per_round or (4 if cuda else 1),
             "attn_res_inplace_source_grads": args.inplace_source_grads, "attn_res_fuse_norm": args.fuse_norm,
-            "attn_res_pair_backward": args.pair_backward, "manual_gc": gc_on,
+            "attn_res_pair_backward": attn_res_config.attn_res_pair_backward, "manual_gc": gc_on,
             "adamw_small_tensor_numel": speed_patches.SMALL_TENSOR_NUMEL,
         },
     }
@@ -254,6 +263,8 @@ def print_table(r: dict) -> None:
             f"{per_tensor[name + '_optimizer_ms']:.2f} ms") for name in ("standard", "attnres")] if per_tensor else []),
         *([("  ... with main's backward (A/B)", f"{r['attnres_main_backward_step_ms']:.2f} ms",
              f"{r['attnres_main_backward_peak_mem_gb']:.2f} GB")] if "attnres_main_backward_step_ms" in r else []),
+        *([("  AttnRes without the paired backward (interleaved)", f"{r['attnres_unpaired_step_ms']:.2f} ms",
+            f"{r['overhead_round_median_unpaired']:+.1%}")] if "attnres_unpaired_step_ms" in r else []),
         ("depth attention fwd+bwd, Triton", f"{r['kernel_ms']:.3f} ms", ""),
         ("depth attention fwd+bwd, PyTorch", f"{r['reference_ms']:.3f} ms", ""),
     ]

@@ -17,7 +17,7 @@ def test_bench_smoke_writes_json(tmp_path):
     out = tmp_path / "attnres.json"
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(root / "tools" / "bench_attnres.py"), "--smoke", "--ab-backward", "--rounds", "3",
+        [sys.executable, str(root / "tools" / "bench_attnres.py"), "--smoke", "--ab-backward", "--ab-pair", "--rounds", "3",
          "--out", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
@@ -32,5 +32,7 @@ def test_bench_smoke_writes_json(tmp_path):
     assert min(rounds["standard"]) <= result["standard_step_ms"] <= max(rounds["standard"])
     ratios = sorted(a / s for a, s in zip(rounds["attnres"], rounds["standard"]))
     assert abs(result["overhead_round_median"] - (ratios[1] - 1)) < 1e-9
+    assert len(rounds["attnres_unpaired"]) == 3 and result["attnres_unpaired_step_ms"] > 0
+    assert result["settings"]["attn_res_pair_backward"] is True  # HybridConfig's default
     assert result["sequential"]["standard_step_ms"] > 0 and result["sequential"]["attnres_step_ms"] > 0
     assert "Block AttnRes" in proc.stdout
