@@ -38,7 +38,6 @@ if "--smoke" in sys.argv:  # the Triton interpreter must be chosen before triton
 
 import argparse
 import datetime
-import json
 from pathlib import Path
 
 import torch
@@ -285,13 +284,7 @@ def main(argv=None) -> dict:
             Path(args.out).write_text(result["profile"])
         return result
     print_table(result)
-    out = args.out or (None if args.smoke else DEFAULT_OUT)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out}")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    bench_common.finish_run(result, args.out or (None if args.smoke else DEFAULT_OUT))
     return result
 
 

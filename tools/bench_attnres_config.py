@@ -26,7 +26,6 @@ if "--smoke" in sys.argv:  # the Triton interpreter must be chosen before triton
 
 import argparse
 import datetime
-import json
 import statistics
 from pathlib import Path
 
@@ -147,13 +146,7 @@ def main(argv=None) -> dict:
               f"peak {result[f'{name}_peak_mem_gb']:.2f} GB")
     print(f"AttnRes step overhead: {result['attnres_step_ms'] / result['standard_step_ms'] - 1:+.1%} (medians; "
           f"median of the rounds' ratios {result['overhead_round_median']:+.1%})")
-    out = args.out or (None if args.smoke else DEFAULT_OUT)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out}")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    bench_common.finish_run(result, args.out or (None if args.smoke else DEFAULT_OUT))
     return result
 
 

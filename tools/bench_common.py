@@ -7,6 +7,7 @@
   :func:`local_median_ms` the same in one process (kernel benchmarks), both timing each call with
   :func:`call_ms`;
 * :func:`write_kernel_report` - the JSON a kernel benchmark writes (op, device, date, versions, rows);
+  :func:`finish_run` writes a training benchmark's result and leaves the process group;
 * :func:`synthetic_batch` - one random-token microbatch in the ``megatron_ext.data`` format;
 * :func:`time_training_step` - forward + backward (Megatron schedule) + AdamW of a model built by
   a callable: median step time and peak memory, everything freed afterwards;
@@ -113,6 +114,19 @@ def write_kernel_report(path: str, op: str, cuda: bool, timing: str, results: li
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def finish_run(result: dict, out: str | None) -> None:
+    """Write ``result`` as JSON at ``out`` (when given; parent folders made) and leave the process group."""
+    import json
+    from pathlib import Path
+
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def synthetic_batch(vocab_size: int, seq: int, micro_batch: int, device, seed: int = 0) -> dict:
