@@ -3,10 +3,19 @@
 Each rank runs ``fn(rank, world_size, *args)`` after ``torch.distributed`` is initialised
 with the gloo backend; the return value (anything ``torch.save`` can write) comes back in
 rank order. A failure on any rank fails the caller with that rank's traceback.
+
+Ranks are forked from a ``forkserver`` that imported torch and Megatron-Core once: a spawned
+rank spent 5-10 s of CPU importing them, per rank and per call, most of the multi-rank tests'
+time on two cores. A rank gets the caller's environment as it is at the call (the server's is
+from its start). ``TRITON_INTERPRET`` is an exception that an environment cannot fix: Triton's own
+``@jit`` helpers (``tl.max``, ...) are made when Triton is imported, which Megatron-Core does, and an
+interpreted kernel cannot call compiled ones; so a call made under another ``TRITON_INTERPRET`` than
+the server started with spawns its ranks, which import everything afresh.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -25,7 +34,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, out_dir, fn, args):
+# Modules the fork server imports before it forks any rank (set before the server starts).
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "megatron.core"]
+_server_interpret: list[str | None] = []  # TRITON_INTERPRET when the server started (set once)
+
+
+def _start_method() -> str:
+    interpret = os.environ.get("TRITON_INTERPRET")
+    if not _server_interpret:
+        multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+        _server_interpret.append(interpret)
+    return "forkserver" if _server_interpret[0] == interpret else "spawn"
+
+
+def _worker(rank, world_size, port, out_dir, fn, args, environ):
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -52,10 +76,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 600.0) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), out_dir, fn, args),
+            args=(world_size, free_port(), out_dir, fn, args, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=_start_method(),
         )
         try:
             deadline = time.monotonic() + timeout
