@@ -9,8 +9,8 @@ Runs, in one process:
    ``attnres_step_ms`` are the medians of all their steps, ``overhead_round_median`` the median
    over rounds of the per-round ratio. Then each model alone, one after the other
    (``sequential``: ``--steps`` steps after ``--warmup``), for its peak allocated memory (weights,
-   AdamW state and activations) and its ``optimizer.step()`` time. GPU model: 8 layers, hidden 2048, 16 heads (4 KV groups), SwiGLU FFN 5632,
-   vocab 32000, seq 4096, micro-batch 2, bf16 (Megatron Float16Module + bf16 AdamW), full
+   AdamW state and activations) and its ``optimizer.step()`` time. GPU model: 8 layers, hidden
+   2048, 16 heads (4 KV groups), SwiGLU FFN 5632, vocab 32000, seq 4096, micro-batch 2, bf16 (Megatron Float16Module + bf16 AdamW), full
    attention ("A"), dense MLP, no parallelism;
 2. the fused depth-attention kernel against its PyTorch reference (``kernels.attn_res``
    ``impl="triton"`` vs ``impl="torch"``), forward + backward, n = 9 sources (the final mix of
@@ -37,6 +37,7 @@ if "--smoke" in sys.argv:  # the Triton interpreter must be chosen before triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse
+import dataclasses
 import datetime
 from pathlib import Path
 
@@ -188,9 +189,8 @@ def run(args) -> dict:
     gc_on = not args.automatic_gc
     attn_res_config = make_config(model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads,
                                   fuse_norm=args.fuse_norm, pair_backward=args.pair_backward)
-    more = {"attnres_unpaired": make_config(model, bf16=cuda, attn_res=True,
-                                            inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm,
-                                            pair_backward=False)} if args.ab_pair else {}
+    unpaired_config = dataclasses.replace(attn_res_config, attn_res_pair_backward=False)
+    more = {"attnres_unpaired": unpaired_config} if args.ab_pair else {}
     interleaved = time_interleaved({"standard": standard_config, "attnres": attn_res_config, **more}, shape, warmup,
                                    args.rounds or (10 if cuda else 2), args.steps_per_round or (4 if cuda else 1),
                                    manual_gc=gc_on)
@@ -202,9 +202,7 @@ def run(args) -> dict:
 
         kernel_before, fused.BACKWARD_KERNEL = fused.BACKWARD_KERNEL, "stream"
         try:
-            main_backward = time_training_step(
-                make_config(model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads,
-                            fuse_norm=args.fuse_norm, pair_backward=False), shape, steps, warmup, manual_gc=gc_on)
+            main_backward = time_training_step(unpaired_config, shape, steps, warmup, manual_gc=gc_on)
         finally:
             fused.BACKWARD_KERNEL = kernel_before
         ab = {"attnres_main_backward_step_ms": main_backward["step_ms"],

@@ -60,6 +60,11 @@ def init_expert_parallel(seed: int = 1234) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def this_rank_device() -> torch.device:
+    """This rank's CUDA device when there is one, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def median_ms(step: Callable[[], None], warmup: int, iters: int, device: torch.device) -> float:
     """Median wall time of ``step()`` in ms (CUDA events on the GPU), max over ranks.
 
@@ -186,8 +191,7 @@ def time_interleaved_training_steps(models: dict[str, tuple[Callable[[], list], 
     ``"ratio_median"``: ``{name: median over rounds of its round median / the first model's}``."""
     from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = this_rank_device()
     free_device_memory(device)
     steps = {}
     for name, (build_chunks, config) in models.items():
@@ -258,8 +262,7 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     """
     from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
 
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+    device = this_rank_device()
     free_device_memory(device)
     chunks, optimizer = build_training_state(build_chunks, config, fast_step, main_grad_dtype,
                                              micro_batches_per_step=1)
