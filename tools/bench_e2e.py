@@ -249,18 +249,30 @@ def profile_variant(name: str, args, cuda: bool) -> str:
     """Markdown: the top-20 kernels (CUDA; CPU ops under --smoke) of a few steps of ``name``."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    from tools.gpu_idle import SyncCensus
+
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities,
                  schedule=schedule(wait=args.warmup, warmup=1, active=PROFILE_ACTIVE_STEPS, repeat=1)) as prof:
-        row = run_variant(name, args, cuda, profiler=prof)
+        # the host syncs of the last unrecorded step (its warnings would slow a recorded one)
+        census = SyncCensus(max(args.warmup - 1, 0), prof) if cuda else prof
+        row = run_variant(name, args, cuda, profiler=census)
     if "error" in row:
         raise RuntimeError(f"profiling {name} failed: {row['error']}")
     if args.profile_trace:
         prof.export_chrome_trace(args.profile_trace)
-    return profile_markdown(prof, name, cuda, row, args.warmup + 1)
+    return profile_markdown(prof, name, cuda, row, args.warmup + 1, census.sites if cuda else None)
 
 
-def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int) -> str:
+def sync_sites_table(sites) -> str:
+    lines = [f"Host syncs of one step (`torch.cuda.set_sync_debug_mode`, {sum(sites.values())} in all), by call site:",
+             "", "| site | syncs |", "| --- | --- |"]
+    lines += [f"| `{site}` | {count} |" for site, count in sites.most_common()]
+    return "\n".join(lines) + "\n"
+
+
+def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int, sync_sites=None) -> str:
+    from tools.gpu_idle import idle_table
     from tools.profile_tables import host_table, kernel_table, op_table
 
     device = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
@@ -268,8 +280,10 @@ def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int)
             f"`tools/bench_e2e.py --profile {name}`: {PROFILE_ACTIVE_STEPS} training steps after "
             f"{skipped_steps} unrecorded warm-up steps; sequence {row['seq']}, micro-batch {row['micro_batch']}, "
             f"{row['gpus']} GPU(s); step time under the profiler {row['step_ms']:.1f} ms.", ""]
-    return "\n".join(head) + "\n" + kernel_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=30) + "\n" + \
-        op_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=40) + "\n" + host_table(prof, PROFILE_ACTIVE_STEPS)
+    tables = [kernel_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=30), op_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=40)]
+    if cuda:
+        tables += [idle_table(prof, PROFILE_ACTIVE_STEPS), sync_sites_table(sync_sites)]
+    return "\n".join(head) + "\n" + "\n".join(tables + [host_table(prof, PROFILE_ACTIVE_STEPS)])
 
 
 # --- Output --------------------------------------------------------------------------------------
