@@ -87,6 +87,15 @@ def _backward_node(event) -> str:
     return "" if parent is None else " (bwd " + parent.name.split(": ", 1)[1] + ")"
 
 
+DEVICE_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}  # Kineto's activity types; not syncs or annotations
+
+
+def _is_device_work(raw) -> bool:
+    if hasattr(raw, "activity_type"):
+        return str(raw.activity_type()) in DEVICE_WORK
+    return not (raw.name().startswith("ProfilerStep") or getattr(raw, "is_user_annotation", lambda: False)())
+
+
 def spans_from_profile(prof) -> tuple[list[Span], list[Span]]:
     """(device kernels and copies labelled by the operator that launched them, host syncs labelled by the
     operator that made them) from a finished profile."""
@@ -102,7 +111,10 @@ def spans_from_profile(prof) -> tuple[list[Span], list[Span]]:
         start = raw.start_ns() / 1e3
         span = Span(start, start + raw.duration_ns() / 1e3, label)
         if raw.device_type() == DeviceType.CUDA:
-            kernels.append(span)
+            # the device timeline also carries the ranges of record_function scopes (ProfilerStep#n spans
+            # a whole step): only kernels, copies and fills keep the device busy
+            if _is_device_work(raw):
+                kernels.append(span)
         elif raw.name() in SYNC_CALLS:
             syncs.append(span._replace(label=f"{raw.name()} in {label}"))
     return kernels, syncs

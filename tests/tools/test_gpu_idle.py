@@ -55,7 +55,8 @@ def test_spans_from_profile_labels_kernels_and_syncs():
     from torch.profiler import ProfilerActivity, profile
 
     x = torch.randn(1 << 20, device="cuda")
-    torch.cuda.synchronize()
+    for _ in range(2):  # loaded before the profile (CUDA loads kernels lazily, at their first launch)
+        torch.sin(x * 2 + 1).sum().item()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         y = x * 2
         y.sum().item()
@@ -66,4 +67,6 @@ def test_spans_from_profile_labels_kernels_and_syncs():
     assert {"aten::mul", "aten::add", "aten::sin"} <= labels, labels
     assert any("item" in s.label or "_local_scalar_dense" in s.label for s in syncs), syncs
     s = idle_summary(kernels, syncs)
-    assert s["busy_us"] > 0 and s["gaps"] >= 1
+    # the device is busy for a few microseconds, not for the whole profile (annotations are not kernels)
+    assert 0 < s["busy_us"] < 0.5 * (max(k.end for k in kernels) - min(k.start for k in kernels)), s
+    assert s["by_sync"], s
