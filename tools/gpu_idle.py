@@ -87,6 +87,7 @@ def _backward_node(event) -> str:
     return "" if parent is None else " (bwd " + parent.name.split(": ", 1)[1] + ")"
 
 
+NOT_OPERATORS = {"overhead", "cuda_runtime", "cuda_driver", "privateuse1_runtime", "privateuse1_driver"}
 DEVICE_WORK = {"kernel", "gpu_memcpy", "gpu_memset"}  # Kineto's activity types; not syncs or annotations
 
 
@@ -101,8 +102,11 @@ def spans_from_profile(prof) -> tuple[list[Span], list[Span]]:
     operator that made them) from a finished profile."""
     ops = {}  # correlation id -> the innermost operator (frontend event) of a launch
     for event in prof.events():
-        # runtime calls (cudaLaunchKernel, cuLaunchKernelEx...) number their ids apart from the operators'
-        if event.device_type == DeviceType.CPU and not event.name.startswith("cu"):
+        # runtime calls (cudaLaunchKernel, cuLaunchKernelEx...) and the profiler's own overhead events number
+        # their ids apart from the operators'
+        kind = str(getattr(event, "activity_type", "") or "")
+        if event.device_type == DeviceType.CPU and kind not in NOT_OPERATORS and \
+                not event.name.startswith(("cu", "Activity Buffer")):
             ops[event.id] = event
     kernels, syncs = [], []
     for raw in prof.profiler.kineto_results.events():
