@@ -77,6 +77,10 @@ class HybridConfig(TransformerConfig):
     # before the routing's second host read (each further round reads once). More rounds: fewer
     # host syncs but ~40 more launches per round (docs/quantile_balancing.md).
     moe_qb_device_rounds: int = DEVICE_ROUNDS
+    # False: capacity routing never reads the device (no host sync; with one EP rank the dispatcher
+    # keeps static [N k] buffers): exactly 1 + moe_qb_device_rounds rounds run, and a token that could
+    # still move after them is dropped. True: rounds until nothing can move, reading as above.
+    moe_qb_host_reads: bool = True
     # KDA layers ("K" in attention_pattern). None means: heads = num_attention_heads,
     # head dim = kv_channels, gate rank = the KDA head dim.
     kda_num_heads: int | None = None
@@ -143,6 +147,8 @@ class HybridConfig(TransformerConfig):
             raise ConfigError(f"moe_qb_num_bins={self.moe_qb_num_bins} must be >= 2")
         if not isinstance(self.moe_qb_device_rounds, int) or self.moe_qb_device_rounds < 0:
             raise ConfigError(f"moe_qb_device_rounds={self.moe_qb_device_rounds!r} must be an int >= 0")
+        if not isinstance(self.moe_qb_host_reads, bool):
+            raise ConfigError(f"moe_qb_host_reads={self.moe_qb_host_reads!r} must be true or false")
         if self.moe_router_enable_expert_bias:
             raise ConfigError(
                 "moe_router_enable_expert_bias is Megatron's own bias update; set "
@@ -224,6 +230,7 @@ USER_FIELDS = (
     "moe_balancer",
     "moe_qb_num_bins",
     "moe_qb_device_rounds",
+    "moe_qb_host_reads",
     "kda_num_heads",
     "kda_head_dim",
     "kda_gate",

@@ -83,6 +83,9 @@ def parse_args(argv=None):
                         "bf16 on one GPU (one micro-batch, nothing accumulates), fp32 otherwise")
     p.add_argument("--qb-device-rounds", type=int, default=None,
                    help="moe_qb_device_rounds of the ours_full rows (default: HybridConfig's)")
+    p.add_argument("--qb-host-reads", choices=("on", "off"), default=None,
+                   help="moe_qb_host_reads of the ours_full rows (default: HybridConfig's); off: capacity routing "
+                        "without host syncs, 1 + moe_qb_device_rounds rounds")
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps of every row (default: off, as in training's "
                         "manual_gc; a full collection took ~240 ms)")
@@ -98,6 +101,7 @@ def parse_args(argv=None):
     if not args.smoke and args.steps < 10:
         p.error("--steps must be >= 10 for GPU timings")
     args.variants = [v for v in args.variants.split(",") if v]
+    args.qb_host_reads = None if args.qb_host_reads is None else args.qb_host_reads == "on"
     bad = sorted(set(args.variants) - set(VARIANTS))
     if bad:
         p.error(f"unknown variants {bad}; known: {', '.join(VARIANTS)}")
@@ -118,7 +122,8 @@ def _dtype(cuda: bool) -> torch.dtype:
     return torch.bfloat16 if cuda else torch.float32  # bf16 weights as launch/train.py builds them
 
 
-def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_rounds: int | None = None):
+def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_rounds: int | None = None,
+                qb_host_reads: bool | None = None):
     """Our ``HybridConfig``: plain (full attention, top-k) or with KDA 3:1, qb_both and AttnRes."""
     from megatron_ext.config import HybridConfig
 
@@ -130,6 +135,8 @@ def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_r
     ) if techniques else dict(attention_pattern="A", moe_balancer="none")
     if techniques and qb_device_rounds is not None:
         extra["moe_qb_device_rounds"] = qb_device_rounds
+    if techniques and qb_host_reads is not None:
+        extra["moe_qb_host_reads"] = qb_host_reads
     return HybridConfig(
         **model, num_query_groups=model["num_attention_heads"], vocab_size=sizes["vocab"],
         max_sequence_length=seq, expert_model_parallel_size=dist.get_world_size(),
@@ -186,7 +193,7 @@ def variant_setup(name: str, args, cuda: bool):
         return (lambda: build_stock_chunks(config, sizes, seq, args.stock_attention),
                 config, None, base, seq, micro_batch)
     config = ours_config(sizes, seq, techniques=name.startswith("ours_full"), cuda=cuda,
-                         qb_device_rounds=args.qb_device_rounds)
+                         qb_device_rounds=args.qb_device_rounds, qb_host_reads=args.qb_host_reads)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def after_step(chunks):  # once per optimizer step, as launch/train.py does
@@ -357,7 +364,7 @@ def run(args, log=print) -> dict | None:
               "dtype": "bf16" if cuda else "fp32", "steps": args.steps, "warmup": args.warmup,
               "model": args.sizes["model"], "vocab": args.sizes["vocab"],
               "capacity_factor": CAPACITY_FACTOR, "stock_aux_loss_coeff": STOCK_AUX_LOSS,
-              "qb_device_rounds": args.qb_device_rounds,
+              "qb_device_rounds": args.qb_device_rounds, "qb_host_reads": args.qb_host_reads,
               "flops": "megatron_ext/flops.py, training = 3 x forward; tflops is per GPU; see docs/e2e.md",
               "torch": torch.__version__, "megatron_core": megatron.core.__version__, "smoke": args.smoke}
     if rank == 0:

@@ -7,8 +7,9 @@ Forward of one MoE layer on one EP rank (``N`` local tokens, top-``k``, ``E`` ex
    ``-1``, sort last and are cut off) and gather their rows: ``[n_kept, h]``;
 2. :meth:`AllToAllDispatcher.global_counts`: all-gather the ``[E]`` local counts into
    ``[P, E]`` so every rank knows what it sends to and receives from every rank (one host sync:
-   the split sizes must be Python ints; none with ``P = 1`` when the routing knows its kept-pair
-   count);
+   the split sizes must be Python ints; none with ``P = 1``: the routing's kept-pair count when
+   it knows one, else static ``[N k, h]`` buffers whose dropped rows trail the experts' blocks
+   and are never read back);
 3. all-to-all with uneven splits: rows arrive grouped by (source rank, local expert);
 4. sort the received rows by local expert: ``[M, h]`` plus ``tokens_per_expert [L]``.
 
@@ -34,10 +35,10 @@ __all__ = ["AllToAllDispatcher", "DispatchState"]
 class DispatchState:
     """What :meth:`AllToAllDispatcher.combine` needs from the matching dispatch."""
 
-    pair_order: torch.Tensor  # [n_kept] flat (token * k + slot) ids of kept pairs, sorted by expert
+    pair_order: torch.Tensor  # [n_kept] flat (token * k + slot) ids of kept pairs, sorted by expert ([N k]: static)
     source: torch.Tensor  # [N * k] row of each pair in dispatch order (the inverse of pair_order); n_kept if dropped
-    send_splits: list[int]  # rows sent to each EP rank
-    recv_splits: list[int]  # rows received from each EP rank
+    send_splits: list[int] | None  # rows sent to each EP rank (None: one rank, static buffers)
+    recv_splits: list[int] | None  # rows received from each EP rank
     expert_order: torch.Tensor | None  # [M] received-row order that groups rows by local expert
     expert_unsort: torch.Tensor | None  # its inverse
     num_tokens: int
@@ -78,11 +79,18 @@ class AllToAllDispatcher:
         send_splits, recv_splits = self._splits(routing, counts_per_rank)
 
         flat_experts = routing.experts.reshape(-1)
+        num_pairs = flat_experts.numel()
         # Dropped pairs last (the plain top-k has none).
         sort_key = flat_experts if routing.plain else flat_experts.where(flat_experts >= 0, self.num_experts)
-        pair_order = torch.sort(sort_key, stable=True).indices[:sum(send_splits)]
-        source = torch.full((num_tokens * top_k,), len(pair_order), dtype=torch.long, device=hidden.device)
-        source[pair_order] = torch.arange(len(pair_order), device=hidden.device)
+        sorted_keys, pair_order = torch.sort(sort_key, stable=True)
+        rows = torch.arange(num_pairs, device=hidden.device)
+        if send_splits is None:  # static: every pair gets a row; a dropped pair's combine index is past the end
+            source = torch.empty_like(rows)
+            source[pair_order] = rows.where(sorted_keys < self.num_experts, num_pairs)
+        else:
+            pair_order = pair_order[:sum(send_splits)]
+            source = torch.full((num_pairs,), len(pair_order), dtype=torch.long, device=hidden.device)
+            source[pair_order] = rows[:len(pair_order)]
         permuted = _GatherTokens.apply(hidden, pair_order, source, top_k)
 
         # From the device copy of the counts: a host-to-device copy of ``mine`` would wait for the stream.
@@ -105,12 +113,13 @@ class AllToAllDispatcher:
                               top_k)
         return received, tokens_per_expert, state
 
-    def _splits(self, routing: Routing, counts_per_rank: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Rows sent to and received from each EP rank, as Python ints. One rank with the kept-pair
-        count known on the host (plain top-k, capacity routing) needs no read; else this is the
-        layer's one host sync."""
-        if self.ep_size == 1 and routing.num_kept is not None:
-            return [routing.num_kept], [routing.num_kept]
+    def _splits(self, routing: Routing, counts_per_rank: torch.Tensor) -> tuple[list[int] | None, list[int] | None]:
+        """Rows sent to and received from each EP rank, as Python ints. One rank needs no read: the
+        kept-pair count when the routing knows it on the host (plain top-k, capacity routing with host
+        reads), else (None, None): static buffers. With more ranks this is the layer's one host sync."""
+        if self.ep_size == 1:
+            kept = routing.num_kept
+            return (None, None) if kept is None else ([kept], [kept])
         num_local = self.num_local_experts
         counts_host = counts_per_rank.cpu()
         send_splits = counts_host[self.ep_rank].view(self.ep_size, num_local).sum(1).tolist()
@@ -137,8 +146,7 @@ def sum_slot_grads(grad: torch.Tensor, source: torch.Tensor, num_tokens: int, to
     if grad.is_cuda if use_kernel is None else use_kernel:
         ones = torch.ones(num_tokens, top_k, dtype=torch.float32, device=grad.device)
         return moe_combine(grad, ones, source, use_kernel=True)
-    if grad.shape[0] < source.numel():  # dropped pairs read an appended zero row
-        grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])
+    grad = torch.cat([grad, grad.new_zeros(1, grad.shape[1])])  # a dropped pair's row: past the end
     return grad.index_select(0, source).view(num_tokens, top_k, grad.shape[1]).sum(1)
 
 

@@ -79,17 +79,20 @@ def _grouped_gemm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> to
 
 
 def grouped_ffn(x, w1, w2, tokens_per_expert, activation, gated, use_grouped_mm=None):
-    """Apply expert ``e`` to its contiguous block of rows of ``x`` (``tokens_per_expert[e]`` rows)."""
+    """Apply expert ``e`` to its contiguous block of rows of ``x`` (``tokens_per_expert[e]`` rows). Rows after
+    the last block are not computed: their output rows hold anything, and their gradient is not read."""
     if use_grouped_mm is None:
         use_grouped_mm = grouped_mm_supported(x, w1, w2)
     if use_grouped_mm:
         offsets = tokens_per_expert.cumsum(0).to(torch.int32)  # stays on device: no host sync
         h = _activate(_grouped_gemm(x, w1, offsets), activation, gated)
         return _grouped_gemm(h, w2, offsets)
-    # Fallback: one plain GEMM pair per expert (needs the counts on the host).
-    blocks = x.split(tokens_per_expert.tolist())
-    out = [ffn(block, w1[e], w2[e], activation, gated) for e, block in enumerate(blocks)]
-    return torch.cat(out) if out else x.new_zeros(0, w2.shape[-1])
+    # Fallback: one plain GEMM pair per expert (needs the counts on the host). Rows past the experts'
+    # blocks (a static dispatch buffer's dropped pairs; grouped_mm leaves them unwritten) get zeros.
+    sizes = tokens_per_expert.tolist()
+    blocks = x.split(sizes + [x.shape[0] - sum(sizes)])
+    out = [ffn(block, w1[e], w2[e], activation, gated) for e, block in enumerate(blocks[:-1])]
+    return torch.cat(out + [x.new_zeros(blocks[-1].shape[0], w2.shape[-1])])
 
 
 class GroupedExperts(MegatronModule):

@@ -24,6 +24,13 @@ pays for every launch instead. So the common case, no expert over-subscribed in 
 top-k), is round 1 and one read. Otherwise round 1's admission and ``device_rounds`` overflow rounds
 (dense ``[N, E]`` masks; a round with nothing left to move is a no-op) run before a second read,
 which says whether a token could still move; only then does each further round read once.
+
+``host_reads=False`` reads nothing: round 1's admission and exactly ``device_rounds`` overflow rounds
+always run, so a token that could still move after them is dropped (the result of ``host_reads=True``
+with ``max_rounds = 1 + device_rounds``), and the kept-pair count stays on the device (a one-rank
+dispatcher then keeps static ``[N k]`` buffers). On a host-bound step the GPU then never drains here:
+the H200 profile of the all-techniques model at 16k tokens had ~57 ms per step of idle device time in
+~1,200 gaps, most right after these reads (docs/quantile_balancing.md, "Host reads").
 """
 
 from __future__ import annotations
@@ -74,7 +81,7 @@ def _all_reduce(tensor: torch.Tensor, group) -> torch.Tensor:
 def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bias: torch.Tensor | None = None,
                      num_bins: int = 1000, score_range: tuple[float, float] = (0.0, 1.0),
                      group=None, renormalize: bool = True, max_rounds: int | None = None,
-                     device_rounds: int | None = None) -> Routing:
+                     device_rounds: int | None = None, host_reads: bool = True) -> Routing:
     """Top-k routing where expert j accepts at most ``C = expert_capacity(N_global, k, E,
     capacity_factor)`` pairs over all ranks of ``group`` (None: this process alone).
 
@@ -85,11 +92,15 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     never breaks the capacity. ``max_rounds`` caps the overflow rounds (None: until nothing can
     move; at most E + 1). Slots are ordered by biased score, best first, dropped (-1) last.
     ``Routing.rounds`` says how many rounds ran. ``device_rounds`` (default ``DEVICE_ROUNDS``): the
-    overflow rounds run before the host read; the result does not depend on it.
+    overflow rounds run before the host read; the result does not depend on it. ``host_reads=False``:
+    no host read; exactly ``1 + device_rounds`` rounds run (capped by ``max_rounds``), a token that
+    could still move after them is dropped, ``Routing.num_kept`` is None and ``Routing.rounds`` counts
+    the rounds run, useful or not.
 
     Collectives per call: per round, one all-reduce of ``E * num_bins`` int64 (+1 in round 1) and
     one of ``world * E`` int64; ``1 + device_rounds`` rounds run (fewer with ``max_rounds``), more
-    only when tokens can still move. Host reads: one, plus one per round beyond those.
+    only when tokens can still move. Host reads: one, plus one per round beyond those (none without
+    ``host_reads``).
     """
     check_scores(scores, k, bias)
     if not isinstance(num_bins, int) or num_bins < 1:
@@ -102,17 +113,19 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     device_rounds = DEVICE_ROUNDS if device_rounds is None else device_rounds
     if not isinstance(device_rounds, int) or device_rounds < 0:
         raise ValueError(f"device_rounds must be an int >= 0 or None, got {device_rounds!r}")
+    if not isinstance(host_reads, bool):
+        raise ValueError(f"host_reads must be True or False, got {host_reads!r}")
     if group is not None and dist.get_world_size(group) == 1:
         group = None  # a one-rank collective is an identity that still costs a launch and a sync
     with torch.no_grad():  # only the gates below are differentiable
         result = _route(scores.detach(), k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds,
-                        device_rounds)
+                        device_rounds, host_reads)
     gates = gates_from_scores(scores, result.experts, renormalize, all_kept=result.plain)
     return Routing(result.experts, gates, result.dropped, result.rerouted, global_load=result.global_load,
                    rounds=result.rounds, plain=result.plain, num_kept=result.num_kept)
 
 
-def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds, device_rounds):
+def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds, device_rounds, host_reads):
     num_tokens, num_experts = scores.shape
     eb = num_experts * num_bins
     biased = biased_scores(scores, bias)
@@ -129,21 +142,26 @@ def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds
                 else _device_capacity(packed[eb], k, num_experts, capacity_factor))
     room = torch.zeros_like(demand).add_(capacity)
     excess = demand - room
-    # The read of a call where nothing overflows (the common case): then the result is plain top-k.
-    max_excess, total_demand = _read(excess.max(), demand.sum())
-    if max_excess <= 0:
-        zero = torch.zeros_like(demand[0])
-        return _Result(top_k, zero, zero, demand, 1 if total_demand else 0, True, num_tokens * k)
+    if host_reads:
+        # The read of a call where nothing overflows (the common case): then the result is plain top-k.
+        max_excess, total_demand = _read(excess.max(), demand.sum())
+        if max_excess <= 0:
+            zero = torch.zeros_like(demand[0])
+            return _Result(top_k, zero, zero, demand, 1 if total_demand else 0, True, num_tokens * k)
     accepted = _admit(torch.ones_like(top_k, dtype=torch.bool), top_k, bins, hist, excess, num_experts, group)
     room = room - demand.minimum(room)
     experts = top_k.where(accepted, -1)
     if max_rounds == 1:
         experts, free = _kept_first(experts), (experts < 0).sum(dim=1)
-        return _Result(experts, free.sum(), torch.zeros_like(demand[0]), capacity - room, 1, False,
-                       *_read(_kept_pairs(free, k)))
+        kept = _read(_kept_pairs(free, k))[0] if host_reads else None
+        return _Result(experts, free.sum(), torch.zeros_like(demand[0]), capacity - room, 1, False, kept)
     overflow = _Overflow(scores, biased, experts, room, k, num_bins, lo, hi, group)
-    for _ in range(device_rounds if max_rounds is None else min(device_rounds, max_rounds - 1)):
+    overflow_rounds = device_rounds if max_rounds is None else min(device_rounds, max_rounds - 1)
+    for _ in range(overflow_rounds):
         overflow.step()
+    if not host_reads:
+        experts, free, rerouted = overflow.result(top_k)
+        return _Result(experts, free.sum(), rerouted, capacity - overflow.room, 1 + overflow_rounds, False, None)
     # The second read: rounds that did something, whether a further round could move a token, kept pairs.
     active, movable, kept = _read(overflow.active, overflow.refused, _kept_pairs(overflow.free, k))
     rounds = 1 + active
@@ -164,7 +182,7 @@ class _Result(NamedTuple):
     global_load: torch.Tensor
     rounds: int
     plain: bool
-    num_kept: int
+    num_kept: int | None
 
 
 def _read(*scalars: torch.Tensor) -> list[int]:

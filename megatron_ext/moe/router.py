@@ -137,6 +137,7 @@ class TopKRouter(MegatronModule):
         if not isinstance(self.num_bins, int) or self.num_bins < 1:
             raise ValueError(f"moe_qb_num_bins must be a positive int, got {self.num_bins!r}")
         self.device_rounds = getattr(config, "moe_qb_device_rounds", None)  # None: capacity_routing's default
+        self.host_reads = getattr(config, "moe_qb_host_reads", True)
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.score_function = config.moe_router_score_function
@@ -200,7 +201,7 @@ class TopKRouter(MegatronModule):
             routing = capacity_routing(scores, self.topk, self.config.moe_expert_capacity_factor,
                                        bias=self.expert_bias, num_bins=self.num_bins,
                                        group=self.capacity_group, renormalize=renormalize,
-                                       device_rounds=self.device_rounds)
+                                       device_rounds=self.device_rounds, host_reads=self.host_reads)
         else:
             routing = topk_routing(scores, self.topk, self.expert_bias, renormalize=renormalize)
         if self.config.moe_router_topk_scaling_factor is not None:

@@ -44,20 +44,44 @@ def _dispatch_combine(dispatcher, experts, x, routing):
 
     counts = dispatcher.global_counts(expert_counts(routing.experts, dispatcher.num_experts))
     expert_input, tokens_per_expert, state = dispatcher.dispatch(x, routing, counts)
-    assert expert_input.shape[0] == int(tokens_per_expert.sum())
+    static = dispatcher.ep_size == 1 and routing.num_kept is None  # one rank, kept-pair count not on the host
+    assert expert_input.shape[0] == (routing.experts.numel() if static else int(tokens_per_expert.sum()))
     return dispatcher.combine(experts(expert_input, tokens_per_expert), routing.gates, state)
 
 
-def test_dispatcher_skips_dropped_pairs_single_rank():
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+@pytest.mark.parametrize("num_kept_known", [True, False])
+def test_dispatcher_skips_dropped_pairs_single_rank(use_grouped_mm, num_kept_known):
+    """Compact buffers (the routing knows its kept-pair count) and static ``[N k]`` ones (it does not:
+    no host read) give the reference output and the same gradients; the static buffer's dropped rows
+    trail the experts' blocks, and what the experts leave in them never reaches the output."""
     config = moe_config()
-    experts = GroupedExperts(config, 8, None, None, seed=3)
-    x = torch.randn(20, HIDDEN)
-    routing = _random_routing(20, 8, 2, drop_share=0.3, seed=1)
-    routing.experts[0] = -1  # a token with every slot dropped gets zeros
-    routing.gates[0] = 0.0
-    out = _dispatch_combine(AllToAllDispatcher(8, None), experts, x, routing)
-    torch.testing.assert_close(out, _reference_moe(x, routing, experts.w1, experts.w2))
-    assert out[0].abs().max() == 0
+    results = []
+    for poison in (False, True):
+        torch.manual_seed(3)
+        experts = GroupedExperts(config, 8, None, None, seed=3, use_grouped_mm=use_grouped_mm)
+        x = torch.randn(20, HIDDEN, requires_grad=True)
+        routing = _random_routing(20, 8, 2, drop_share=0.3, seed=1)
+        routing.experts[0] = -1  # a token with every slot dropped gets zeros
+        routing.gates[0] = 0.0
+        if num_kept_known:
+            routing.num_kept = int((routing.experts >= 0).sum())
+        if poison:  # whatever the rows past the experts' blocks hold must not matter
+            forward = experts.forward
+
+            def poisoned(tokens, tokens_per_expert):
+                out = forward(tokens, tokens_per_expert)
+                trailing = torch.arange(out.shape[0]) >= tokens_per_expert.sum()
+                return out.masked_fill(trailing[:, None], float("nan"))
+            experts.forward = poisoned
+        out = _dispatch_combine(AllToAllDispatcher(8, None), experts, x, routing)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        results.append((out.detach(), x.grad, experts.w1.grad, experts.w2.grad))
+        torch.testing.assert_close(out, _reference_moe(x.detach(), routing, experts.w1, experts.w2))
+        assert out[0].abs().max() == 0
+    for clean, poisoned in zip(*results):
+        assert torch.isfinite(poisoned).all()
+        torch.testing.assert_close(poisoned, clean, rtol=0, atol=0)
 
 
 def _layers(config, group, world):
@@ -192,13 +216,16 @@ def _check_ep_parity(rank, world, group, config, use_grouped_mm):
 
 def test_ep2_matches_one_rank_output_and_grads_and_checkpoints_global_experts(tmp_path):
     """EP2 vs one rank on the concatenated tokens: softmax + shared expert through
-    torch._grouped_mm, sigmoid + a non-zero sign bias through the per-expert loop, and quantile
-    capacity routing over the EP group with the dual bias; then the sharded state dict layout and
-    an EP2 -> EP1 checkpoint round trip."""
+    torch._grouped_mm, sigmoid + a non-zero sign bias through the per-expert loop, quantile
+    capacity routing over the EP group with the dual bias, and without host reads; then the sharded
+    state dict layout and an EP2 -> EP1 checkpoint round trip."""
     cases = [
         (dict(moe_router_score_function="softmax", moe_shared_expert_intermediate_size=8), None),
         (dict(moe_balancer="sign_bias", moe_router_bias_update_rate=1e-2), False),
         (dict(moe_balancer="qb_both", moe_expert_capacity_factor=1.0, moe_qb_num_bins=64), None),
+        # no host reads: the one-rank reference keeps static buffers, EP2 reads only its split sizes
+        (dict(moe_balancer="qb_capacity", moe_expert_capacity_factor=0.8, moe_qb_host_reads=False,
+              moe_qb_device_rounds=1), False),
     ]
     assert run_distributed(_ep_parity_worker, 2, cases, str(tmp_path)) == [True, True]
 
@@ -254,19 +281,79 @@ def test_layer_runs_on_cuda_in_bf16_and_grouped_mm_matches_loop():
         torch.testing.assert_close(grouped, loop, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("balancer", ["none", "qb_capacity"])
-def test_one_rank_routing_and_dispatch_read_the_host_at_most_once(monkeypatch, balancer):
+@pytest.mark.parametrize("balancer, host_reads", [("none", True), ("qb_capacity", True), ("qb_capacity", False)])
+def test_one_rank_routing_and_dispatch_read_the_host_at_most_once(monkeypatch, balancer, host_reads):
     """With one EP rank the dispatcher takes its buffer size from the routing (``num_kept``): plain
-    top-k reads nothing back, capacity routing only its own reads (two when something overflows)."""
+    top-k reads nothing back, capacity routing only its own reads (two when something overflows), and
+    none without host reads (``moe_qb_host_reads: false``: static ``[N k]`` buffers)."""
     from tests.moe.test_quantile_capacity import _HostReads
 
     capacity = balancer == "qb_capacity"
-    layer = MoELayer(moe_config(moe_balancer=balancer, moe_expert_capacity_factor=1.0 if capacity else None),
-                     ProcessGroupCollection())
-    tokens = torch.randn(64, HIDDEN)
+    layer = MoELayer(moe_config(moe_balancer=balancer, moe_expert_capacity_factor=1.0 if capacity else None,
+                                moe_qb_host_reads=host_reads), ProcessGroupCollection())
+    tokens = torch.randn(64, HIDDEN, requires_grad=True)
     with _HostReads(monkeypatch) as host:
         routing, counts = layer.router(tokens)
-        expert_input, _, _ = layer.dispatcher.dispatch(tokens, routing, layer.dispatcher.global_counts(counts))
-    assert host.reads == (["tolist", "tolist"] if capacity else [])
-    assert routing.num_kept == int((routing.experts >= 0).sum()) == expert_input.shape[0]
-    assert capacity == (routing.dropped.item() > 0)  # the capacity case overflows: num_kept < N k
+        expert_input, tokens_per_expert, state = layer.dispatcher.dispatch(
+            tokens, routing, layer.dispatcher.global_counts(counts))
+        out = layer.dispatcher.combine(layer.experts(expert_input, tokens_per_expert), routing.gates, state)
+        out.sum().backward()
+    assert host.reads == (["tolist", "tolist"] if capacity and host_reads else [])
+    kept = int((routing.experts >= 0).sum())
+    assert expert_input.shape[0] == (kept if host_reads else routing.experts.numel())
+    assert routing.num_kept == (kept if host_reads else None)
+    assert capacity == (routing.dropped.item() > 0)  # the capacity case overflows: kept < N k
+
+
+def test_layer_without_host_reads_equals_the_layer_with_them():
+    """``moe_qb_host_reads: false`` (no host read, static buffers) gives the same output, gradients and
+    router statistics as the reading layer whenever its device rounds are enough to finish."""
+    results = []
+    for host_reads in (True, False):
+        torch.manual_seed(0)
+        layer = MoELayer(moe_config(moe_balancer="qb_capacity", moe_expert_capacity_factor=0.9,
+                                    moe_qb_host_reads=host_reads, moe_qb_device_rounds=8),
+                         ProcessGroupCollection())
+        torch.manual_seed(1)
+        x = torch.randn(SEQ * 4, BATCH, HIDDEN, requires_grad=True)
+        out, _ = layer(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        router = layer.router
+        results.append((out, x.grad, layer.experts.w1.grad, layer.experts.w2.grad, router.weight.grad,
+                        router.last_dropped, router.last_rerouted, router.step_routed_counts))
+    assert results[0][5] > 0 and results[0][6] > 0  # the case drops and reroutes
+    for with_reads, without in zip(*results):
+        torch.testing.assert_close(without, with_reads, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_layer_without_host_reads_never_syncs_on_cuda_and_equals_the_reading_layer():
+    """On the GPU in bf16: forward and backward of the capacity-routed layer without host reads run under
+    ``set_sync_debug_mode("error")`` (no host sync anywhere: routing, static dispatch, grouped GEMMs over
+    trailing dropped rows, combine), and give the reading layer's numbers."""
+    config = dict(hidden_size=64, moe_ffn_hidden_size=32, params_dtype=torch.bfloat16, use_cpu_initialization=False,
+                  moe_balancer="qb_capacity", moe_expert_capacity_factor=0.9, moe_qb_device_rounds=8)
+    results = []
+    for host_reads in (True, False):
+        torch.manual_seed(0)
+        layer = MoELayer(moe_config(moe_qb_host_reads=host_reads, **config), ProcessGroupCollection())
+        torch.manual_seed(1)
+        x = torch.randn(128, 2, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        weights = torch.linspace(-1, 1, x.numel(), device="cuda").view_as(x)
+        for _ in range(2):  # the first call compiles and loads kernels
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            torch.cuda.synchronize()
+            if not host_reads:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                out, _ = layer(x)
+                (out.float() * weights).sum().backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert layer.router.last_dropped.item() > 0
+        results.append((out.float(), x.grad.float(), layer.experts.w1.grad.float(), layer.experts.w2.grad.float(),
+                        layer.router.weight.grad.float()))
+    for with_reads, without in zip(*results):
+        assert torch.isfinite(without).all()
+        torch.testing.assert_close(without, with_reads, rtol=1e-2, atol=1e-3)

@@ -191,6 +191,40 @@ def test_host_reads_one_without_overflow_two_with_until_the_device_rounds_run_ou
     assert min(seen_rounds) <= 1 + quantile_capacity.DEVICE_ROUNDS < max(seen_rounds), seen_rounds
 
 
+@pytest.mark.parametrize("device_rounds", [0, 1, 3])
+def test_without_host_reads_equals_host_reads_stopped_after_the_same_rounds(monkeypatch, device_rounds):
+    """``host_reads=False``: no read at all, exactly ``1 + device_rounds`` rounds, and the result of the
+    reading routing capped at that many rounds (a token that could still move is dropped); capacities
+    hold either way."""
+    n, e, k = 400, 16, 4
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(31)) * 0.1
+    for seed, skew, cf in [(13, 0.05, 1.5), (21, 2.0, 1.0), (22, 3.0, 0.8)]:
+        scores = skewed_scores(n, e, seed=seed, skew=skew)
+        with _HostReads(monkeypatch) as host:
+            got = capacity_routing(scores, k, cf, bias=bias, num_bins=32, device_rounds=device_rounds,
+                                   host_reads=False)
+        assert host.reads == []
+        expected = capacity_routing(scores, k, cf, bias=bias, num_bins=32, max_rounds=1 + device_rounds)
+        assert torch.equal(got.experts, expected.experts) and torch.equal(got.gates, expected.gates)
+        assert torch.equal(got.global_load, expected.global_load)
+        assert (got.dropped.item(), got.rerouted.item()) == (expected.dropped.item(), expected.rerouted.item())
+        assert (got.rounds, got.num_kept, got.plain) == (1 + device_rounds, None, False)
+        assert int(got.global_load.max()) <= expert_capacity(n, k, e, cf)
+        if expected.plain:  # nothing over capacity: the plain top-k, slot order included
+            assert torch.equal(got.experts, (scores + bias).topk(k, dim=1).indices)
+
+
+def test_without_host_reads_enough_device_rounds_give_the_unbounded_result():
+    n, e, k = 300, 16, 4
+    scores = skewed_scores(n, e, seed=21, skew=2.0)
+    unbounded = capacity_routing(scores, k, 1.0, num_bins=32)
+    assert unbounded.rounds > 3  # the case needs rounds beyond the default device rounds
+    got = capacity_routing(scores, k, 1.0, num_bins=32, device_rounds=unbounded.rounds, host_reads=False)
+    assert torch.equal(got.experts, unbounded.experts) and torch.equal(got.global_load, unbounded.global_load)
+    short = capacity_routing(scores, k, 1.0, num_bins=32, device_rounds=1, host_reads=False)
+    assert short.dropped.item() > unbounded.dropped.item()  # stopping early drops what could have moved
+
+
 def test_device_capacity_equals_the_host_formula():
     """A group computes the capacity on the device from its all-reduced token count; one rank on the host.
     They must agree to the slot, float noise included (1.1 * 100 * 8 / 64 is 13.750000000000002)."""
@@ -246,6 +280,7 @@ def test_histogram_counts_skips_invalid_entries():
     (dict(score_range=(1.0, 0.0)), "score_range"),
     (dict(max_rounds=0), "max_rounds"),
     (dict(device_rounds=-1), "device_rounds"),
+    (dict(host_reads=0), "host_reads"),
 ])
 def test_capacity_routing_rejects_bad_arguments(bad, match):
     kwargs = dict(capacity_factor=1.0) | bad

@@ -14,9 +14,9 @@ from megatron_ext.moe.quantile import (
 from tests._dist import run_distributed
 
 NUM_EXPERTS, K = 16, 4
-# (capacity_factor, num_bins): over-full, tight, loose; coarse bins put many ties in the
-# boundary bin, so admission order across ranks matters.
-CASES = [(0.7, 8), (1.0, 1000), (1.25, 4)]
+# (capacity_factor, num_bins, host_reads): over-full, tight, loose; coarse bins put many ties in the
+# boundary bin, so admission order across ranks matters; the last two without host reads (1 + 1 rounds).
+CASES = [(0.7, 8, True), (1.0, 1000, True), (1.25, 4, True), (0.7, 8, False), (1.0, 16, False)]
 
 
 def rank_sizes(world_size):
@@ -34,8 +34,9 @@ def global_inputs(world_size, seed):
 
 def route_all_cases(scores, bias, group):
     out = []
-    for capacity_factor, num_bins in CASES:
-        r = capacity_routing(scores, K, capacity_factor, bias=bias, num_bins=num_bins, group=group)
+    for capacity_factor, num_bins, host_reads in CASES:
+        r = capacity_routing(scores, K, capacity_factor, bias=bias, num_bins=num_bins, group=group,
+                             host_reads=host_reads, device_rounds=None if host_reads else 1)
         out.append((r.experts, r.gates, r.dropped, r.rerouted, r.global_load))
     lo, hi = dual_bias_range(bias)
     counts = dual_bias_histogram(scores, bias, K, lo, hi, num_bins=100)
@@ -60,7 +61,7 @@ def test_multi_rank_routing_equals_one_rank_on_concatenated_batch(world_size):
     scores, bias = global_inputs(world_size, seed)
     reference = route_all_cases(scores, bias, None)
     n = scores.shape[0]
-    for case, (capacity_factor, _) in enumerate(CASES):
+    for case, (capacity_factor, _, _) in enumerate(CASES):
         experts, gates, dropped, rerouted, _ = reference[case]
         assert torch.equal(torch.cat([r[case][0] for r in per_rank]), experts), CASES[case]
         assert torch.equal(torch.cat([r[case][1] for r in per_rank]), gates)
