@@ -32,7 +32,6 @@ import torch  # noqa: E402
 import kernels.attn_res.fused as fused  # noqa: E402
 from tools.bench_attnres_kernel import schedule_step  # noqa: E402
 
-# (name, {fused.py constant: value}); register counts from an offline sm_90 compile (n = 9, h = 2048).
 # (name, {fused.py constant: value}); register counts from an offline sm_90 compile (n = 9, h = 2048, the norm).
 # The defaults: one row over 4 warps both ways (forward: the n loads first, 128 registers, 4 programs per SM;
 # backward: sources reloaded in the grad loop, 255 registers, 2 programs per SM), 32 columns per finish program.
@@ -50,13 +49,32 @@ CONFIGS = [
     ("bwd-1-per-sm", {"BACKWARD_PROGRAMS_PER_SM": 1}),  # half the partial-sum rows for the finish kernel
     ("finish-64", {"FINISH_BLOCK": 64}),  # 32 finish programs instead of 64
     ("finish-128", {"FINISH_BLOCK": 128}),  # 16: the block before the 2026-12-01 sweep
+    # Overlapping loads with the backward's compute and stores (preload_bwd.py: PIPELINE bits 1 old grads after
+    # their source's reductions, 2 the next tile's rows during this tile's grad pass, 4 sources reloaded one ahead;
+    # PACK rows held as int32 pairs; STAGES Triton's pipelining). ptxas sm_90 with Triton 3.8 (kernels/_compile_check,
+    # pointers aligned), n = 9 with the norm, every source accumulated | the widest pair (8 shared blocks): registers,
+    # spill-store bytes; default 255, 48 | 255, 52. "bwd" ms: this sweep on the H200 (2026-12-02, Triton 3.6 there),
+    # the step's 17 calls, default 3.63.
+    ("bwd-pack", {"BACKWARD_PACK_ROWS": True}),  # 255, 16 | 255, 48; 2 per SM; 3.70
+    ("bwd-pipe1", {"BACKWARD_PIPELINE": 1}),  # 255, 76 | 255, 240; 2 per SM; 3.67
+    ("bwd-pipe1-pack", {"BACKWARD_PIPELINE": 1, "BACKWARD_PACK_ROWS": True}),  # 255, 44 | 255, 164; 2 per SM; 3.01
+    ("bwd-pipe5-pack", {"BACKWARD_PIPELINE": 5, "BACKWARD_PACK_ROWS": True}),  # 255, 68 | 255, 348; 2 per SM
+    ("bwd-pipe3-pack", {"BACKWARD_PIPELINE": 3, "BACKWARD_PACK_ROWS": True}),  # 255, 148 | 255, 604; 2 per SM; 3.85
+    ("bwd-pipe3-8vpt-pack", {"BACKWARD_PIPELINE": 3, "BACKWARD_PACK_ROWS": True,  # 8 warps: 178 | 254, no spills;
+                             "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 1 per SM (n <= 2: 2); 4.73
+    ("bwd-pipe3-4vpt-pack", {"BACKWARD_PIPELINE": 3, "BACKWARD_PACK_ROWS": True,  # 16 warps: 128 | 128, no spills;
+                             "BACKWARD_PRELOAD_VALUES_PER_THREAD": 4}),  # 1 per SM; 5.20
+    # Triton's own pipelining (cp.async into shared memory, issued after the tile's last store and waited for at
+    # the next tile's top, so little overlap): 139 KB | 160 KB of shared memory, 1 per SM (n <= 5: 2)
+    ("bwd-stages2", {"BACKWARD_TILE_STAGES": 2}),  # 255, 140 | 255, 336; 3.35
+    ("bwd-stages2-8vpt", {"BACKWARD_TILE_STAGES": 2, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 155 | 199, 0; 3.83
 ]
 KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",
            "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}
 
 
 def apply(changes: dict) -> dict:
-    """Set the changes on fused.py; returns what to restore."""
+    """Set the changes on fused.py; returns what to restore (a misspelt constant fails here, not silently)."""
     saved = {name: getattr(fused, name) for name in changes}
     for name, value in changes.items():
         setattr(fused, name, value)

@@ -254,6 +254,18 @@ BACKWARD_PRELOAD_VALUES_PER_THREAD = 16
 # store instead of holding both in registers from the top: fewer registers (without it 16 values per thread
 # spill ~840 bytes).
 BACKWARD_RELOAD = True
+# Preload kernel, opt-in overlap of loads with compute/stores (bits; docstring of preload_bwd's kernel; swept by
+# tools/sweep_attnres_kernels.py): 1, each old grad loaded right after its source's reductions instead of next
+# to its store; 2, the next tile's rows loaded into the registers this tile frees (cross-tile prefetch); 4, each
+# source reloaded one source ahead in the grad pass. 1 with BACKWARD_PACK_ROWS: the step's 17 backward calls
+# 3.63 -> 3.01 ms in the H200 sweep, not yet confirmed by a step benchmark (docs/attn_res.md, "Opt-in variants").
+BACKWARD_PIPELINE = 0
+# Preload kernel's tile loop as tl.range(num_stages=...) (Triton pipelines the loads as cp.async into shared
+# memory: ~140 KB at n = 9, h = 2048 with 2 stages, so one program per SM; 3 stages do not fit); None: off.
+BACKWARD_TILE_STAGES: int | None = None
+# Preload kernel: hold the loaded 2-byte rows as int32 pairs (one register per two values; ptxas kept bf16 values
+# one per 16-bit register and spilled them), where h is even and every such tensor 4-byte aligned.
+BACKWARD_PACK_ROWS = False
 _resident_programs: dict = {}
 _PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
@@ -261,7 +273,8 @@ _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> 
 
 def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device) -> int:
     """Programs of ``kernel`` resident per SM, from its register count (sm_90: 64K registers,
-    64 warps, 32 blocks per SM; registers are allocated per warp in units of 256)."""
+    64 warps, 32 blocks per SM; registers are allocated per warp in units of 256) and its shared memory
+    (1 KB more per block is reserved)."""
     key = (kernel, *kwargs.items(), num_warps, args[0][0].dtype, device)
     if key not in _resident_programs:
         try:
@@ -269,7 +282,9 @@ def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device)
             compiled._init_handles()
             per_warp = -(-compiled.n_regs * 32 // 256) * 256
             warps = min(65536 // max(per_warp, 1), 64)
-            _resident_programs[key] = max(1, min(warps // num_warps, 32))
+            shared = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor
+            by_shared = shared // (compiled.metadata.shared + 1024)
+            _resident_programs[key] = max(1, min(warps // num_warps, 32, by_shared))
         except Exception:  # no register count (e.g. another backend): a conservative guess
             _resident_programs[key] = 2
     return _resident_programs[key]
@@ -281,6 +296,14 @@ def _backward_capacity(device: torch.device, kernel=None, args=None, kwargs=None
         return 2  # interpreter: still exercises the per-program loop
     per_sm = BACKWARD_PROGRAMS_PER_SM or _programs_per_sm(kernel, args, kwargs, num_warps, device)
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _packable(hidden: int, *tensors) -> bool:
+    """Rows of h elements can be loaded as int32 pairs: h even and every 2-byte tensor 4-byte aligned."""
+    flat = [t for group in tensors if group is not None
+            for t in ((group.out, group.grad_out) if isinstance(group, PairedCall) else
+                      group if isinstance(group, (list, tuple)) else (group,))]
+    return hidden % 2 == 0 and all(t.element_size() != 2 or t.data_ptr() % 4 == 0 for t in flat)
 
 
 def _tokens(source: torch.Tensor) -> tuple[int, int]:
@@ -414,7 +437,9 @@ def fused_depth_attention_backward_sums(
         cfg = launch_config(H, BACKWARD_TILE_ELEMENTS, BACKWARD_PRELOAD_VALUES_PER_THREAD)
         kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, NORM_OUT=norm_out,
                       SUBSET=subset, PAIRED=0 if paired is None else paired.count,
-                      OUT_NORM_GRAD=norm_out and need_out_norm_weight, RELOAD=BACKWARD_RELOAD)
+                      OUT_NORM_GRAD=norm_out and need_out_norm_weight, RELOAD=BACKWARD_RELOAD,
+                      PIPELINE=BACKWARD_PIPELINE, STAGES=BACKWARD_TILE_STAGES,
+                      PACK=BACKWARD_PACK_ROWS and _packable(H, sources, grad_sources, out, grad_out, paired))
     else:
         kernel = _depth_attention_bwd_kernel
         cfg = backward_launch_config(H, norm_out)

@@ -34,6 +34,46 @@ def _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT: tl
 
 
 @triton.jit
+def _tile_offsets(tile, T, H, cols, col_mask, BLOCK_T: tl.constexpr):
+    """(rows, row mask, element mask, element offsets) of token tile ``tile`` (all masked off past T)."""
+    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < T
+    mask = row_mask[:, None] & col_mask[None, :]
+    return rows, row_mask, mask, rows.to(tl.int64)[:, None] * H + cols[None, :]
+
+
+@triton.jit
+def _load_rows(ptr, tile_at, H, BLOCK_H: tl.constexpr, PACK: tl.constexpr):
+    """A token tile's rows (``tile_at``, from ``_tile_offsets``) of the ``[T, H]`` tensor at ``ptr`` as loaded;
+    with ``PACK`` (H even, 2-byte dtypes, 4-byte aligned) as int32 pairs, ``[BLOCK_T, BLOCK_H / 2]``: one
+    register per pair (ptxas kept loop-carried and long-lived bf16 values one per 16-bit register and spilled
+    them). ``_rows_f32`` unpacks."""
+    rows, row_mask, mask, offs = tile_at
+    if PACK and ptr.dtype.element_ty.primitive_bitwidth == 16:
+        cols = tl.arange(0, BLOCK_H // 2)
+        offs = rows.to(tl.int64)[:, None] * (H // 2) + cols[None, :]
+        mask = row_mask[:, None] & (cols < H // 2)[None, :]
+        return tl.load(ptr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _rows_f32(x, ptr, BLOCK_H: tl.constexpr, PACK: tl.constexpr):
+    """``_load_rows(ptr, ...)`` as fp32 ``[BLOCK_T, BLOCK_H]`` (pairs: element 2k in the low half)."""
+    if PACK and ptr.dtype.element_ty.primitive_bitwidth == 16:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            low = (x << 16).to(tl.float32, bitcast=True)
+            high = (x & -65536).to(tl.float32, bitcast=True)
+        else:
+            low = x.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            high = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return tl.reshape(tl.join(low, high), [x.shape[0], BLOCK_H])
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def _depth_attention_bwd_preload_kernel(
     src_ptrs, grad_ptrs, query_ptr, norm_weight_ptr, out_ptr, grad_out_ptr, lse_ptr, partial_g_ptr,
     out_norm_weight_ptr, out_rstd_ptr, partial_g_out_norm_ptr,
@@ -42,7 +82,7 @@ def _depth_attention_bwd_preload_kernel(
     T, H, eps, out_norm_eps, out_norm_eps2,
     N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, OUT_NORM_GRAD: tl.constexpr,
-    RELOAD: tl.constexpr,
+    RELOAD: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, PACK: tl.constexpr,
 ):
     """The backward with the loads of a token tile issued before any store (``dy``, ``out``, the
     n sources, and without ``RELOAD`` the old grads being added to), kept in registers as loaded
@@ -59,7 +99,18 @@ def _depth_attention_bwd_preload_kernel(
     ``c`` from them; with it (and for the second call of a pair, whose sources are split over two
     kernels) ``c`` comes from the stored, rounded output, as in the streaming kernel. ``RELOAD``: the
     grad loop reloads each source (just read by this program: an L2 hit) and loads its old grad there,
-    instead of holding both from the top (fewer registers, so more programs per SM)."""
+    instead of holding both from the top (fewer registers, so more programs per SM).
+
+    ``PIPELINE`` (``fused.BACKWARD_PIPELINE``, bits; loads are issued in program order, and a later load never
+    passes a store): 1, each old grad is loaded right after its source's row reductions (into the registers
+    that source's row freed with ``RELOAD``), so the old grads' HBM latency overlaps the remaining reductions
+    instead of being waited for once per source between stores; 2, the next tile's rows: its ``dy`` and ``out``
+    after this tile's first store, its source i after this tile's store of source i, carried to the next
+    iteration, so they load during this tile's grad pass; 4, with ``RELOAD``, source i + 1 reloaded before
+    source i's store (one L2 round trip per source less on the grad pass's critical path). ``STAGES``: the tile
+    loop as ``tl.range(num_stages=STAGES)`` (Triton's software pipelining: the tile's loads become async copies
+    into shared memory; None: off).
+    ``PACK``: rows held across code (``dy``, ``out``, sources, old grads) as int32 pairs (``_load_rows``)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -70,34 +121,42 @@ def _depth_attention_bwd_preload_kernel(
     if PAIRED > 0:
         g2_acc = tl.zeros([BLOCK_H], tl.float32)
 
-    for tile in range(pid, tl.cdiv(T, BLOCK_T), num_programs):
-        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        row_mask = rows < T
-        mask = row_mask[:, None] & col_mask[None, :]
-        offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
-        # -- every load of the tile first --------------------------------------------------
-        dy_raw = tl.load(grad_out_ptr + offs, mask=mask, other=0.0)
-        out_raw = tl.load(out_ptr + offs, mask=mask, other=0.0)
+    if PIPELINE & 2:  # the first tile's rows; each later tile's are loaded during the tile before it
+        first = _tile_offsets(pid, T, H, cols, col_mask, BLOCK_T)
+        dy_raw = _load_rows(grad_out_ptr, first, H, BLOCK_H, PACK)
+        out_raw = _load_rows(out_ptr, first, H, BLOCK_H, PACK)
         if PAIRED > 0:
-            dy2_raw = tl.load(grad_out2_ptr + offs, mask=mask, other=0.0)
-            out2_raw = tl.load(out2_ptr + offs, mask=mask, other=0.0)
+            dy2_raw = _load_rows(grad_out2_ptr, first, H, BLOCK_H, PACK)
+            out2_raw = _load_rows(out2_ptr, first, H, BLOCK_H, PACK)
         vs = ()
         for i in tl.static_range(N):
-            vs = vs + (tl.load(src_ptrs[i] + offs, mask=mask, other=0.0),)
-        olds = ()
-        for i in tl.static_range(N):
-            if RELOAD:
-                olds = olds + (vs[i],)  # placeholder: loaded next to the store
-            elif (ACCUMULATE >> i) & 1:
-                olds = olds + (tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0),)
-            else:
-                olds = olds + (vs[i],)  # placeholder, never read
+            vs = vs + (_load_rows(src_ptrs[i], first, H, BLOCK_H, PACK),)
+
+    for tile in tl.range(pid, tl.cdiv(T, BLOCK_T), num_programs, num_stages=STAGES):
+        tile_at = _tile_offsets(tile, T, H, cols, col_mask, BLOCK_T)
+        rows, row_mask, mask, offs = tile_at
+        if not PIPELINE & 2:  # -- every load of the tile first ------------------------------------------
+            dy_raw = _load_rows(grad_out_ptr, tile_at, H, BLOCK_H, PACK)
+            out_raw = _load_rows(out_ptr, tile_at, H, BLOCK_H, PACK)
+            if PAIRED > 0:
+                dy2_raw = _load_rows(grad_out2_ptr, tile_at, H, BLOCK_H, PACK)
+                out2_raw = _load_rows(out2_ptr, tile_at, H, BLOCK_H, PACK)
+            vs = ()
+            for i in tl.static_range(N):
+                vs = vs + (_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK),)
+        olds = ()  # the old grads being added to (placeholders where not accumulated; never read)
+        if not PIPELINE & 1:
+            for i in tl.static_range(N):
+                if (ACCUMULATE >> i) & 1 and not RELOAD:
+                    olds = olds + (_load_rows(grad_ptrs[i], tile_at, H, BLOCK_H, PACK),)
+                else:
+                    olds = olds + (vs[i],)  # with RELOAD: loaded next to the store
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
         # [h] vectors: loaded per tile (cache hits); held across the loop they cost registers.
         u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        dy = dy_raw.to(tl.float32)
-        out = out_raw.to(tl.float32)
+        dy = _rows_f32(dy_raw, grad_out_ptr, BLOCK_H, PACK)
+        out = _rows_f32(out_raw, out_ptr, BLOCK_H, PACK)
         if NORM_OUT:
             out_rstd = tl.load(out_rstd_ptr + rows, mask=row_mask, other=0.0)
             gamma_out = tl.load(out_norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -117,14 +176,15 @@ def _depth_attention_bwd_preload_kernel(
             else:
                 out_rstd2 = lse2
                 gamma_out2 = u2
-            dout2, c2 = _mix_output_grad(dy2_raw.to(tl.float32), out2_raw.to(tl.float32), out_rstd2, gamma_out2, H,
+            dout2, c2 = _mix_output_grad(_rows_f32(dy2_raw, grad_out2_ptr, BLOCK_H, PACK),
+                                         _rows_f32(out2_raw, out2_ptr, BLOCK_H, PACK), out_rstd2, gamma_out2, H,
                                          out_norm_eps2, NORM_OUT)
         # -- per source: the row reductions first (all sources are in registers) -------------------
         # per-row scalars kept per source: rstd, logit, dout . v (and the paired call's logit, dout . v)
         rstds, logits, das, logits2, das2 = (), (), (), (), ()
         c_exact = tl.zeros([BLOCK_T], tl.float32)
         for i in tl.static_range(N):
-            v = vs[i].to(tl.float32)
+            v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
             if i < PAIRED:
                 square_sum, vu, da, vu2, da2 = row_sums5(v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2)
             else:
@@ -135,6 +195,11 @@ def _depth_attention_bwd_preload_kernel(
                 logits2, das2 = logits2 + (vu2 * rstd,), das2 + (da2,)
             if not SUBSET:
                 c_exact += tl.exp(vu * rstd - lse) * da
+            if PIPELINE & 1:
+                if (ACCUMULATE >> i) & 1:
+                    olds = olds + (_load_rows(grad_ptrs[i], tile_at, H, BLOCK_H, PACK),)
+                else:
+                    olds = olds + (vs[i],)
         if not SUBSET:
             # c = sum_i a_i (dout . v_i), the softmax backward's own sum, from the sources. dout . out
             # (above) takes out as stored, rounded to bf16: dlogit_i = a_i (dout . v_i - c) is a difference
@@ -142,11 +207,20 @@ def _depth_attention_bwd_preload_kernel(
             # 5-10x less precise than PyTorch's bf16 autograd (docs/attn_res.md, "Precision of c").
             c = c_exact
         # -- per source: grad, store --------------------------------------------------------------
+        if PIPELINE & 2:
+            following = _tile_offsets(tile + num_programs, T, H, cols, col_mask, BLOCK_T)  # the next tile
+            next_vs = ()
+        if RELOAD and PIPELINE & 4:
+            v_ahead = _load_rows(src_ptrs[0], tile_at, H, BLOCK_H, PACK)
         for i in tl.static_range(N):
-            if RELOAD:
+            if RELOAD and PIPELINE & 4:  # reloaded one source ahead: before this source's store
+                v = _rows_f32(v_ahead, src_ptrs[i], BLOCK_H, PACK)
+                if i + 1 < N:
+                    v_ahead = _load_rows(src_ptrs[i + 1], tile_at, H, BLOCK_H, PACK)
+            elif RELOAD:
                 v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
             else:
-                v = vs[i].to(tl.float32)
+                v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
             rstd, logit = rstds[i], logits[i]
             a = tl.exp(logit - lse)
             coef = a * (das[i] - c) * rstd  # dlogit_i * r_i
@@ -165,11 +239,21 @@ def _depth_attention_bwd_preload_kernel(
             else:
                 dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
             if (ACCUMULATE >> i) & 1:
-                if RELOAD:
+                if RELOAD and not PIPELINE & 1:
                     dv += tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
                 else:
-                    dv += olds[i].to(tl.float32)
+                    dv += _rows_f32(olds[i], grad_ptrs[i], BLOCK_H, PACK)
             tl.store(grad_ptrs[i] + offs, dv.to(grad_ptrs[i].dtype.element_ty), mask=mask)
+            if PIPELINE & 2:  # the next tile's rows (masked off past the last tile), into the freed registers
+                next_vs = next_vs + (_load_rows(src_ptrs[i], following, H, BLOCK_H, PACK),)
+                if i == 0:
+                    dy_raw = _load_rows(grad_out_ptr, following, H, BLOCK_H, PACK)
+                    out_raw = _load_rows(out_ptr, following, H, BLOCK_H, PACK)
+                    if PAIRED > 0:
+                        dy2_raw = _load_rows(grad_out2_ptr, following, H, BLOCK_H, PACK)
+                        out2_raw = _load_rows(out2_ptr, following, H, BLOCK_H, PACK)
+        if PIPELINE & 2:
+            vs = next_vs
 
     tl.store(partial_g_ptr + pid.to(tl.int64) * H + cols, g_acc, mask=col_mask)
     if NORM_OUT and OUT_NORM_GRAD:

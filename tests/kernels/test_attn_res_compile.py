@@ -85,7 +85,8 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * n, "grad_ptrs": ("*bf16",) * n}
     constexprs = {"N": n, "ACCUMULATE": (1 << n) - 1 if not subset else 0, "BLOCK_T": cfg.block_t,
                   "BLOCK_H": cfg.block_h, "NORM_OUT": norm_out, "SUBSET": subset, "PAIRED": paired,
-                  "OUT_NORM_GRAD": norm_out, "RELOAD": fused.BACKWARD_RELOAD}
+                  "OUT_NORM_GRAD": norm_out, "RELOAD": fused.BACKWARD_RELOAD, "PIPELINE": fused.BACKWARD_PIPELINE,
+                  "STAGES": fused.BACKWARD_TILE_STAGES, "PACK": fused.BACKWARD_PACK_ROWS}
     compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
                            aligned=_ALIGNED)
     used = resources(compiled)
@@ -106,3 +107,29 @@ def test_finish_kernel_compiles(parameter_grads):
         num_warps=4)
     used = resources(compiled)
     assert used.spill_stores == 0 and used.spill_loads == 0, used
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
+@pytest.mark.parametrize("values_per_thread, pipeline, stages, pack, max_spill", [
+    (16, 1, None, True, 64),  # old grads loaded after their source's reductions: ~44 bytes spilled
+    (16, 5, None, True, 96),  # + sources reloaded one ahead: ~68
+    (8, 3, None, True, 0),  # old grads early + the next tile's rows: 8 warps, ~178 registers, one program per SM
+    (8, 0, 2, False, 0),  # Triton's pipelining: cp.async into ~139 KB of shared memory
+], ids=["pipe1-pack", "pipe5-pack", "pipe3-8vpt-pack", "stages2-8vpt"])
+def test_preload_backward_variants_compile(values_per_thread, pipeline, stages, pack, max_spill):
+    # The opt-in variants of tools/sweep_attnres_kernels.py (fused.BACKWARD_PIPELINE, BACKWARD_TILE_STAGES,
+    # BACKWARD_PACK_ROWS) at the benchmark's widest call (n = 9, h = 2048, the norm, every source accumulated).
+    import kernels.attn_res.fused as fused
+    from kernels._compile_check import compile_for, resources
+
+    cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, values_per_thread)
+    signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * 9, "grad_ptrs": ("*bf16",) * 9}
+    constexprs = {"N": 9, "ACCUMULATE": (1 << 9) - 1, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h, "NORM_OUT": True,
+                  "SUBSET": False, "PAIRED": 0, "OUT_NORM_GRAD": True, "RELOAD": True, "PIPELINE": pipeline,
+                  "STAGES": stages, "PACK": pack}
+    compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
+                           aligned=_ALIGNED)
+    used = resources(compiled)
+    assert used.spill_stores <= max_spill and used.spill_loads <= max_spill, used
+    if stages:  # the tile's loads became asynchronous copies; one program's buffers fit an SM's 227 KB
+        assert "cp.async" in compiled.asm["ptx"] and used.shared <= 227 * 1024, used
