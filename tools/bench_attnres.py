@@ -39,12 +39,14 @@ if "--smoke" in sys.argv:  # the Triton interpreter must be chosen before triton
 import argparse
 import dataclasses
 import datetime
+import functools
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
+from tools.sweep_attnres_kernels import layout  # noqa: E402
 
 DEFAULT_OUT = "docs/bench/attnres-h200.json"
 GPU_MODEL = dict(
@@ -82,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--ab-backward", action="store_true",
                    help="also time the AttnRes step with the depth-attention backward as on main (streaming kernel, "
                         "no paired backward), in the same process: attnres_main_backward_step_ms")
+    p.add_argument("--ab-kernel", default="", metavar="NAMES",
+                   help="comma list of tools/sweep_attnres_kernels.py CONFIGS names: the AttnRes model with that kernel "
+                        "layout as one more model in the interleaved rounds (kernel_layouts)")
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps (default: off, as in training's manual_gc)")
     p.add_argument("--ab-adamw", action="store_true",
@@ -89,7 +94,16 @@ def parse_args(argv=None):
                         "speed_patches.SMALL_TENSOR_NUMEL), in the same process: the adamw_per_tensor entry")
     p.add_argument("--profile", choices=("standard", "attnres"), default=None,
                    help="instead of timing: profile 3 training steps of one model, print kernel and operator tables")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    from tools.sweep_attnres_kernels import CONFIGS
+
+    known = dict(CONFIGS)
+    args.ab_kernel = [name for name in args.ab_kernel.split(",") if name]
+    bad = [name for name in args.ab_kernel if name not in known]
+    if bad:
+        p.error(f"--ab-kernel: unknown layouts {bad}; known: {', '.join(known)}")
+    args.kernel_layouts = {name: known[name] for name in args.ab_kernel}
+    return args
 
 
 def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True, fuse_norm: bool = True,
@@ -116,12 +130,15 @@ def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=No
 
 
 def time_interleaved(configs: dict, shape: dict, warmup: int, rounds: int, steps_per_round: int,
-                     manual_gc: bool = True) -> dict:
+                     manual_gc: bool = True, scopes: dict | None = None) -> dict:
     """The models of ``configs`` (name -> config, the baseline first) resident at once, timed in alternating
-    rounds (``bench_common.time_interleaved_training_steps``)."""
+    rounds (``bench_common.time_interleaved_training_steps``); ``scopes[name]`` is entered around that model's
+    steps."""
     from megatron_ext.parallel import build_model_chunks
 
-    models = {name: (lambda config=config: build_model_chunks(config), config) for name, config in configs.items()}
+    scopes = scopes or {}
+    models = {name: (lambda config=config: build_model_chunks(config), config,
+                     *([scopes[name]] if name in scopes else [])) for name, config in configs.items()}
     first = next(iter(configs.values()))
     return bench_common.time_interleaved_training_steps(
         models, first.vocab_size, shape["seq"], shape["micro_batch"], warmup, rounds, steps_per_round,
@@ -184,16 +201,19 @@ def run(args) -> dict:
     initialize_parallel(standard_config, seed=1234)
     if args.profile:
         config = standard_config if args.profile == "standard" else make_config(
-            model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm)
+            model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads, fuse_norm=args.fuse_norm,
+            pair_backward=args.pair_backward)
         return {"profile": profile_model(args, config, shape, cuda)}
     gc_on = not args.automatic_gc
     attn_res_config = make_config(model, bf16=cuda, attn_res=True, inplace_source_grads=args.inplace_source_grads,
                                   fuse_norm=args.fuse_norm, pair_backward=args.pair_backward)
     unpaired_config = dataclasses.replace(attn_res_config, attn_res_pair_backward=False)
     more = {"attnres_unpaired": unpaired_config} if args.ab_pair else {}
-    interleaved = time_interleaved({"standard": standard_config, "attnres": attn_res_config, **more}, shape, warmup,
-                                   args.rounds or (10 if cuda else 2), args.steps_per_round or (4 if cuda else 1),
-                                   manual_gc=gc_on)
+    layouts = {f"attnres:{name}": attn_res_config for name in args.kernel_layouts}
+    scopes = {f"attnres:{name}": functools.partial(layout, changes) for name, changes in args.kernel_layouts.items()}
+    interleaved = time_interleaved({"standard": standard_config, "attnres": attn_res_config, **more, **layouts}, shape,
+                                   warmup, args.rounds or (10 if cuda else 2), args.steps_per_round or (4 if cuda else 1),
+                                   manual_gc=gc_on, scopes=scopes)
     standard = time_training_step(standard_config, shape, steps, warmup, manual_gc=gc_on)
     attn_res = time_training_step(attn_res_config, shape, steps, warmup, manual_gc=gc_on)
     ab = {}
@@ -225,6 +245,10 @@ def run(args) -> dict:
         "round_ms": {name: interleaved[name]["round_ms"] for name in ("standard", "attnres", *more)},
         **({"attnres_unpaired_step_ms": interleaved["attnres_unpaired"]["step_ms"],
             "overhead_round_median_unpaired": interleaved["ratio_median"]["attnres_unpaired"] - 1} if more else {}),
+        **({"kernel_layouts": {name: {"changes": changes, "step_ms": interleaved[f"attnres:{name}"]["step_ms"],
+                                      "round_ms": interleaved[f"attnres:{name}"]["round_ms"],
+                                      "overhead_round_median": interleaved["ratio_median"][f"attnres:{name}"] - 1}
+                               for name, changes in args.kernel_layouts.items()}} if layouts else {}),
         "sequential": {"standard_step_ms": standard["step_ms"], "attnres_step_ms": attn_res["step_ms"]},
         **ab,
         "standard_optimizer_ms": standard["optimizer_ms"],
@@ -262,6 +286,8 @@ def print_table(r: dict) -> None:
              f"{r['attnres_main_backward_peak_mem_gb']:.2f} GB")] if "attnres_main_backward_step_ms" in r else []),
         *([("  AttnRes without the paired backward (interleaved)", f"{r['attnres_unpaired_step_ms']:.2f} ms",
             f"{r['overhead_round_median_unpaired']:+.1%}")] if "attnres_unpaired_step_ms" in r else []),
+        *[(f"  AttnRes, kernel layout {name} (interleaved)", f"{v['step_ms']:.2f} ms", f"{v['overhead_round_median']:+.1%}")
+          for name, v in r.get("kernel_layouts", {}).items()],
         ("depth attention fwd+bwd, Triton", f"{r['kernel_ms']:.3f} ms", ""),
         ("depth attention fwd+bwd, PyTorch", f"{r['reference_ms']:.3f} ms", ""),
     ]

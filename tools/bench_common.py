@@ -179,12 +179,20 @@ def training_step_fn(chunks: list, optimizer, vocab_size: int, seq: int, micro_b
     return step
 
 
-def time_interleaved_training_steps(models: dict[str, tuple[Callable[[], list], object]], vocab_size: int,
+def _scoped(step: Callable[[], None], scope: Callable) -> Callable[[], None]:
+    def run() -> None:
+        with scope():
+            step()
+    return run
+
+
+def time_interleaved_training_steps(models: dict[str, tuple], vocab_size: int,
                                     seq: int, micro_batch: int, warmup: int, rounds: int,
                                     steps_per_round: int, manual_gc: bool = True) -> dict:
     """Step times of several models resident at once, timed in alternating rounds (one process, one rank).
 
-    Models built by ``models[name] = (build_chunks, config)`` all stay on the device; after ``warmup`` steps
+    Models built by ``models[name] = (build_chunks, config)`` all stay on the device (a third element, a
+    context-manager factory, is entered around each of that model's steps: e.g. a kernel layout); after ``warmup`` steps
     each, every round times ``steps_per_round`` steps of each model, the order reversed every other round,
     so that a drift of the machine (clocks, the host's load) falls on every model alike. Returns
     ``{name: {"step_ms": median of all its steps, "round_ms": [median per round]}}`` plus
@@ -194,9 +202,10 @@ def time_interleaved_training_steps(models: dict[str, tuple[Callable[[], list], 
     device = this_rank_device()
     free_device_memory(device)
     steps = {}
-    for name, (build_chunks, config) in models.items():
+    for name, (build_chunks, config, *scope) in models.items():
         chunks, optimizer = build_training_state(build_chunks, config, micro_batches_per_step=1)
-        steps[name] = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch)
+        step = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch)
+        steps[name] = _scoped(step, scope[0]) if scope else step
     times: dict[str, list[list[float]]] = {name: [] for name in steps}
     try:
         with manual_gc_scope(manual_gc, 0):

@@ -18,6 +18,7 @@ process from the warm cache.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -81,6 +82,16 @@ def apply(changes: dict) -> dict:
     return saved
 
 
+@contextlib.contextmanager
+def layout(changes: dict):
+    """fused.py with ``changes`` applied inside the block (also used by ``bench_attnres --ab-kernel``)."""
+    saved = apply(changes)
+    try:
+        yield
+    finally:
+        apply(saved)
+
+
 def kernel_ms(step, steps: int = 5) -> dict:
     """Mean CUDA ms per step of the depth-attention kernels (and everything else) over ``steps`` steps."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -139,9 +150,9 @@ def main():
     rows = {name: dict(config=name, changes=changes, step_ms=[], kernels=[]) for name, changes in configs}
     reference = None
     for name, changes in configs:  # grads first (also warms every config up)
-        saved = apply(changes)
         try:
-            grads = step(False)
+            with layout(changes):
+                grads = step(False)
             if reference is None:
                 reference = grads
             err = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
@@ -149,19 +160,14 @@ def main():
             rows[name].update(max_rel_diff=err, agrees=err <= args.tolerance)
         except Exception as exc:  # a config that does not compile or crashes: reported, sweep goes on
             rows[name]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        finally:
-            apply(saved)
     for r in range(args.rounds):
         order = configs if r % 2 == 0 else configs[::-1]
         for name, changes in order:
             if "error" in rows[name]:
                 continue
-            saved = apply(changes)
-            try:
+            with layout(changes):
                 rows[name]["step_ms"].append(triton.testing.do_bench(lambda: step(False), return_mode="median"))
                 rows[name]["kernels"].append(kernel_ms(step))
-            finally:
-                apply(saved)
     table = []
     for name, row in rows.items():
         if "error" in row:

@@ -1,10 +1,11 @@
 """tools/bench_attnres.py --smoke runs the benchmark's code path on the CPU and writes its JSON."""
-
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 KEYS = {
     "standard_step_ms", "attnres_step_ms", "standard_peak_mem_gb", "attnres_peak_mem_gb",
@@ -18,6 +19,7 @@ def test_bench_smoke_writes_json(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, str(root / "tools" / "bench_attnres.py"), "--smoke", "--ab-backward", "--ab-pair", "--rounds", "3",
+         "--ab-kernel", "bwd-pipe1-pack",
          "--out", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
     )
@@ -33,6 +35,9 @@ def test_bench_smoke_writes_json(tmp_path):
     ratios = sorted(a / s for a, s in zip(rounds["attnres"], rounds["standard"]))
     assert abs(result["overhead_round_median"] - (ratios[1] - 1)) < 1e-9
     assert len(rounds["attnres_unpaired"]) == 3 and result["attnres_unpaired_step_ms"] > 0
+    layout = result["kernel_layouts"]["bwd-pipe1-pack"]  # the AttnRes model under another kernel layout
+    assert layout["changes"] == {"BACKWARD_PIPELINE": 1, "BACKWARD_PACK_ROWS": True}
+    assert len(layout["round_ms"]) == 3 and layout["step_ms"] > 0
     assert result["settings"]["attn_res_pair_backward"] is True  # HybridConfig's default
     assert result["sequential"]["standard_step_ms"] > 0 and result["sequential"]["attnres_step_ms"] > 0
     assert "Block AttnRes" in proc.stdout
@@ -59,3 +64,20 @@ def test_config_bench_smoke_alternates_builds_and_writes_json(tmp_path):
     assert abs(result["overhead_round_median"] - (sum(ratios) / 2 - 1)) < 1e-9
     assert "configs/tiny.yaml" in result["settings"]["config_flags"]
     assert proc.stdout.count("> round") == 4
+
+
+def test_kernel_layout_scope_applies_around_each_step_and_restores():
+    """``bench_attnres --ab-kernel``: the layout is in force inside that model's steps only."""
+    import kernels.attn_res.fused as fused
+    from tools.bench_common import _scoped
+    from tools.sweep_attnres_kernels import layout
+
+    before = fused.BACKWARD_PIPELINE
+    seen = []
+    step = _scoped(lambda: seen.append(fused.BACKWARD_PIPELINE), lambda: layout({"BACKWARD_PIPELINE": before + 5}))
+    step()
+    step()
+    assert seen == [before + 5, before + 5] and fused.BACKWARD_PIPELINE == before
+    with pytest.raises(AttributeError):  # a misspelt constant fails instead of timing the default twice
+        with layout({"BACKWARD_PIPELIN": 1}):
+            pass
