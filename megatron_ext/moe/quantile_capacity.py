@@ -28,9 +28,9 @@ which says whether a token could still move; only then does each further round r
 ``host_reads=False`` reads nothing: round 1's admission and exactly ``device_rounds`` overflow rounds
 always run, so a token that could still move after them is dropped (the result of ``host_reads=True``
 with ``max_rounds = 1 + device_rounds``), and the kept-pair count stays on the device (a one-rank
-dispatcher then keeps static ``[N k]`` buffers). On a host-bound step the GPU then never drains here:
-the H200 profile of the all-techniques model at 16k tokens had ~57 ms per step of idle device time in
-~1,200 gaps, most right after these reads (docs/quantile_balancing.md, "Host reads").
+dispatcher then keeps static ``[N k]`` buffers): the layer has no host sync, as CUDA-graph capture
+needs. By itself it did not speed up the all-techniques benchmark step on the H200, which is bound by
+the host's launch rate rather than by these reads (docs/quantile_balancing.md, "Host reads").
 """
 
 from __future__ import annotations
