@@ -81,6 +81,9 @@ class HybridConfig(TransformerConfig):
     # keeps static [N k] buffers): exactly 1 + moe_qb_device_rounds rounds run, and a token that could
     # still move after them is dropped. True: rounds until nothing can move, reading as above.
     moe_qb_host_reads: bool = True
+    # True (with moe_qb_host_reads false): one-rank capacity routing on CUDA replayed from a CUDA graph per
+    # router (~160 launches -> 1; megatron_ext/moe/routing_graph.py); the eager call elsewhere.
+    moe_qb_cuda_graph: bool = False
     # KDA layers ("K" in attention_pattern). None means: heads = num_attention_heads,
     # head dim = kv_channels, gate rank = the KDA head dim.
     kda_num_heads: int | None = None
@@ -149,6 +152,11 @@ class HybridConfig(TransformerConfig):
             raise ConfigError(f"moe_qb_device_rounds={self.moe_qb_device_rounds!r} must be an int >= 0")
         if not isinstance(self.moe_qb_host_reads, bool):
             raise ConfigError(f"moe_qb_host_reads={self.moe_qb_host_reads!r} must be true or false")
+        if not isinstance(self.moe_qb_cuda_graph, bool):
+            raise ConfigError(f"moe_qb_cuda_graph={self.moe_qb_cuda_graph!r} must be true or false")
+        if self.moe_qb_cuda_graph and self.moe_qb_host_reads:
+            raise ConfigError("moe_qb_cuda_graph: true needs moe_qb_host_reads: false (a CUDA graph cannot read "
+                              "the device back to the host)")
         if self.moe_router_enable_expert_bias:
             raise ConfigError(
                 "moe_router_enable_expert_bias is Megatron's own bias update; set "
@@ -231,6 +239,7 @@ USER_FIELDS = (
     "moe_qb_num_bins",
     "moe_qb_device_rounds",
     "moe_qb_host_reads",
+    "moe_qb_cuda_graph",
     "kda_num_heads",
     "kda_head_dim",
     "kda_gate",

@@ -86,6 +86,9 @@ def parse_args(argv=None):
     p.add_argument("--qb-host-reads", choices=("on", "off"), default=None,
                    help="moe_qb_host_reads of the ours_full rows (default: HybridConfig's); off: capacity routing "
                         "without host syncs, 1 + moe_qb_device_rounds rounds")
+    p.add_argument("--qb-cuda-graph", action="store_true",
+                   help="the ours_full rows' capacity routing replayed from CUDA graphs (moe_qb_cuda_graph; implies "
+                        "--qb-host-reads off)")
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps of every row (default: off, as in training's "
                         "manual_gc; a full collection took ~240 ms)")
@@ -102,6 +105,10 @@ def parse_args(argv=None):
         p.error("--steps must be >= 10 for GPU timings")
     args.variants = [v for v in args.variants.split(",") if v]
     args.qb_host_reads = None if args.qb_host_reads is None else args.qb_host_reads == "on"
+    if args.qb_cuda_graph:
+        if args.qb_host_reads:
+            p.error("--qb-cuda-graph needs --qb-host-reads off (a CUDA graph cannot read the device)")
+        args.qb_host_reads = False
     bad = sorted(set(args.variants) - set(VARIANTS))
     if bad:
         p.error(f"unknown variants {bad}; known: {', '.join(VARIANTS)}")
@@ -123,7 +130,7 @@ def _dtype(cuda: bool) -> torch.dtype:
 
 
 def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_rounds: int | None = None,
-                qb_host_reads: bool | None = None):
+                qb_host_reads: bool | None = None, qb_cuda_graph: bool = False):
     """Our ``HybridConfig``: plain (full attention, top-k) or with KDA 3:1, qb_both and AttnRes."""
     from megatron_ext.config import HybridConfig
 
@@ -137,6 +144,8 @@ def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_r
         extra["moe_qb_device_rounds"] = qb_device_rounds
     if techniques and qb_host_reads is not None:
         extra["moe_qb_host_reads"] = qb_host_reads
+    if techniques and qb_cuda_graph:
+        extra["moe_qb_cuda_graph"] = True
     return HybridConfig(
         **model, num_query_groups=model["num_attention_heads"], vocab_size=sizes["vocab"],
         max_sequence_length=seq, expert_model_parallel_size=dist.get_world_size(),
@@ -193,7 +202,8 @@ def variant_setup(name: str, args, cuda: bool):
         return (lambda: build_stock_chunks(config, sizes, seq, args.stock_attention),
                 config, None, base, seq, micro_batch)
     config = ours_config(sizes, seq, techniques=name.startswith("ours_full"), cuda=cuda,
-                         qb_device_rounds=args.qb_device_rounds, qb_host_reads=args.qb_host_reads)
+                         qb_device_rounds=args.qb_device_rounds, qb_host_reads=args.qb_host_reads,
+                         qb_cuda_graph=args.qb_cuda_graph)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def after_step(chunks):  # once per optimizer step, as launch/train.py does
@@ -365,6 +375,7 @@ def run(args, log=print) -> dict | None:
               "model": args.sizes["model"], "vocab": args.sizes["vocab"],
               "capacity_factor": CAPACITY_FACTOR, "stock_aux_loss_coeff": STOCK_AUX_LOSS,
               "qb_device_rounds": args.qb_device_rounds, "qb_host_reads": args.qb_host_reads,
+              "qb_cuda_graph": args.qb_cuda_graph,
               "flops": "megatron_ext/flops.py, training = 3 x forward; tflops is per GPU; see docs/e2e.md",
               "torch": torch.__version__, "megatron_core": megatron.core.__version__, "smoke": args.smoke}
     if rank == 0:

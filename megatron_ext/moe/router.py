@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
+from megatron_ext.moe.routing_graph import CapacityRoutingGraphs
 from megatron_ext.moe.quantile import Routing, capacity_routing, dual_bias_histogram, dual_bias_range, topk_routing
 from megatron_ext.moe.quantile_dual_bias import dual_bias_updates
 from megatron_ext.moe.quantile_histogram import flat_counts
@@ -138,6 +139,11 @@ class TopKRouter(MegatronModule):
             raise ValueError(f"moe_qb_num_bins must be a positive int, got {self.num_bins!r}")
         self.device_rounds = getattr(config, "moe_qb_device_rounds", None)  # None: capacity_routing's default
         self.host_reads = getattr(config, "moe_qb_host_reads", True)
+        # One-rank CUDA capacity routing replayed from CUDA graphs (needs host_reads False; config-checked).
+        self.routing_graphs = CapacityRoutingGraphs() if getattr(config, "moe_qb_cuda_graph", False) else None
+        if self.routing_graphs is not None and self.host_reads:
+            raise ValueError("moe_qb_cuda_graph=True needs moe_qb_host_reads=False (a CUDA graph cannot read the "
+                             "device back to the host)")
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.score_function = config.moe_router_score_function
@@ -197,7 +203,11 @@ class TopKRouter(MegatronModule):
         # moe_router_pre_softmax (False: softmax over the chosen k, i.e. renormalised).
         renormalize = self.score_function == "sigmoid" or not self.config.moe_router_pre_softmax
         counting = self.training and torch.is_grad_enabled()  # once per microbatch, also under recompute
-        if self.balancer in _CAPACITY_BALANCERS and self.training:
+        if self.balancer in _CAPACITY_BALANCERS and self.training and self._graphed(scores):
+            routing = self.routing_graphs(scores, self.topk, self.config.moe_expert_capacity_factor,
+                                          bias=self.expert_bias, num_bins=self.num_bins,
+                                          device_rounds=self.device_rounds, renormalize=renormalize)
+        elif self.balancer in _CAPACITY_BALANCERS and self.training:
             routing = capacity_routing(scores, self.topk, self.config.moe_expert_capacity_factor,
                                        bias=self.expert_bias, num_bins=self.num_bins,
                                        group=self.capacity_group, renormalize=renormalize,
@@ -221,6 +231,13 @@ class TopKRouter(MegatronModule):
 
         self.record_statistics(routing, counts, counting)
         return routing, counts
+
+    def _graphed(self, scores: torch.Tensor) -> bool:
+        """Capacity routing from CUDA graphs: asked for, on CUDA, and one rank in the capacity group (the
+        graphs hold no collectives); elsewhere the eager call, which gives the same routing."""
+        group = self.capacity_group
+        return (self.routing_graphs is not None and scores.is_cuda
+                and (group is None or dist.get_world_size(group) == 1))
 
     def dual_bias_range(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``dual_bias_range(expert_bias)`` and ``num_bins / (hi - lo)``, computed once per value of

@@ -13,7 +13,7 @@ def moe_config(**overrides) -> TransformerConfig:
                     moe_ffn_hidden_size=8, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                     moe_router_score_function="sigmoid", use_cpu_initialization=True, init_method_std=0.3)
     settings.update(overrides)
-    ours = {key: settings.pop(key) for key in ("moe_balancer", "moe_qb_num_bins", "moe_qb_device_rounds", "moe_qb_host_reads")
+    ours = {key: settings.pop(key) for key in ("moe_balancer", "moe_qb_num_bins", "moe_qb_device_rounds", "moe_qb_host_reads", "moe_qb_cuda_graph")
             if key in settings}
     config = TransformerConfig(**settings)
     for key, value in ours.items():  # our knobs; HybridConfig declares them
@@ -206,3 +206,67 @@ def test_bad_qb_device_rounds_names_the_key():
 
     with pytest.raises(ConfigError, match=r"^moe_qb_device_rounds="):
         tiny_config({}, False, moe_qb_device_rounds=-1)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(moe_qb_host_reads=1), r"^moe_qb_host_reads="),
+    (dict(moe_qb_cuda_graph="yes", moe_qb_host_reads=False), r"^moe_qb_cuda_graph="),
+    (dict(moe_qb_cuda_graph=True), r"^moe_qb_cuda_graph: true needs moe_qb_host_reads: false"),
+])
+def test_bad_qb_host_read_settings_name_the_key(overrides, match):
+    from megatron_ext.config import ConfigError
+    from tests.parallel.harness import tiny_config
+
+    with pytest.raises(ConfigError, match=match):
+        tiny_config({}, False, **overrides)
+
+
+def test_cuda_graph_routing_needs_no_host_reads_and_falls_back_off_cuda():
+    """``moe_qb_cuda_graph``: the router refuses it with host reads; on the CPU it routes eagerly, the same
+    routing as without graphs (the graphs' own equality test runs on the GPU)."""
+    with pytest.raises(ValueError, match="moe_qb_host_reads=False"):
+        _router(moe_balancer="qb_capacity", moe_expert_capacity_factor=1.0, moe_qb_cuda_graph=True)
+    settings = dict(moe_balancer="qb_capacity", moe_expert_capacity_factor=0.9, moe_qb_num_bins=64,
+                    moe_qb_host_reads=False)
+    torch.manual_seed(0)
+    eager = _router(**settings).train()
+    torch.manual_seed(0)
+    graphed = _router(moe_qb_cuda_graph=True, **settings).train()
+    assert graphed.routing_graphs is not None and not graphed._graphed(torch.zeros(1))
+    x = torch.randn(64, 16)
+    expected, got = eager(x)[0], graphed(x)[0]
+    assert torch.equal(got.experts, expected.experts) and torch.equal(got.gates, expected.gates)
+    assert got.dropped.item() == expected.dropped.item() > 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capacity_routing_equals_eager_and_sees_the_bias_in_place():
+    """Replayed from a CUDA graph: the eager ``capacity_routing(host_reads=False)`` result on new scores
+    every call, an in-place bias update seen by the graph, outputs that later replays do not overwrite,
+    and no host sync."""
+    from megatron_ext.moe.routing_graph import CapacityRoutingGraphs
+    from tests.moe.test_quantile_capacity import skewed_scores
+
+    graphs = CapacityRoutingGraphs()
+    bias = torch.zeros(64, device="cuda")
+    kept = []
+    for seed in range(4):
+        scores = skewed_scores(4096, 64, seed=seed, skew=0.5).cuda().requires_grad_()
+        with torch.no_grad():
+            bias.copy_(torch.randn(64, generator=torch.Generator().manual_seed(100 + seed)).cuda() * 0.05)
+        expected = capacity_routing(scores, 8, 1.0, bias=bias, num_bins=256, device_rounds=2, host_reads=False)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if seed else "default")  # the capture itself synchronizes
+        try:
+            got = graphs(scores, 8, 1.0, bias=bias, num_bins=256, device_rounds=2)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), (seed, name)
+        assert expected.dropped.item() > 0 or expected.rerouted.item() > 0  # overflow rounds did work
+        got.gates.sum().backward()  # the gates stay differentiable outside the graph
+        assert scores.grad is not None and torch.isfinite(scores.grad).all()
+        kept.append((got.experts, expected.experts))
+    assert len(graphs._graphs) == 1  # one capture served every call
+    for got_experts, expected_experts in kept:  # clones: later replays did not overwrite them
+        assert torch.equal(got_experts, expected_experts)
