@@ -172,18 +172,19 @@ def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: in
 
 
 def profile_model(args, config, shape: dict, cuda: bool) -> str:
-    """Kernel and operator tables (tools/profile_tables.py) of 3 steps after the warm-up."""
+    """The tables of ``tools/profile_tables.report`` for 3 steps after the warm-up."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
-    from tools.profile_tables import host_table, kernel_table, op_table
+    from tools.gpu_idle import SyncCensus
+    from tools.profile_tables import report
 
     active, warmup = 3, args.warmup if args.warmup is not None else 3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, schedule=schedule(wait=warmup, warmup=1, active=active, repeat=1)) as prof:
-        step = time_training_step(config, shape, warmup + 1 + active, 0, profiler=prof)
+        census = SyncCensus(max(warmup - 1, 0), prof) if cuda else prof  # the last unrecorded step's syncs
+        step = time_training_step(config, shape, warmup + 1 + active, 0, profiler=census)
     head = f"# Profile: bench_attnres `{args.profile}` model, step {step['step_ms']:.1f} ms under the profiler\n"
-    return "\n".join([head, kernel_table(prof, active, cuda, top=30), op_table(prof, active, cuda, top=40),
-                      host_table(prof, active)])
+    return head + "\n" + report(prof, active, cuda, census.sites if cuda else None)
 
 
 def run(args) -> dict:

@@ -281,26 +281,15 @@ def profile_variant(name: str, args, cuda: bool) -> str:
     return profile_markdown(prof, name, cuda, row, args.warmup + 1, census.sites if cuda else None)
 
 
-def sync_sites_table(sites) -> str:
-    lines = [f"Host syncs of one step (`torch.cuda.set_sync_debug_mode`, {sum(sites.values())} in all), by call site:",
-             "", "| site | syncs |", "| --- | --- |"]
-    lines += [f"| `{site}` | {count} |" for site, count in sites.most_common()]
-    return "\n".join(lines) + "\n"
-
-
 def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int, sync_sites=None) -> str:
-    from tools.gpu_idle import idle_table
-    from tools.profile_tables import host_table, kernel_table, op_table
+    from tools.profile_tables import report
 
     device = torch.cuda.get_device_name() if cuda else "cpu (smoke)"
     head = [f"# Profile: `{name}` ({device}, {datetime.date.today().isoformat()})", "",
             f"`tools/bench_e2e.py --profile {name}`: {PROFILE_ACTIVE_STEPS} training steps after "
             f"{skipped_steps} unrecorded warm-up steps; sequence {row['seq']}, micro-batch {row['micro_batch']}, "
             f"{row['gpus']} GPU(s); step time under the profiler {row['step_ms']:.1f} ms.", ""]
-    tables = [kernel_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=30), op_table(prof, PROFILE_ACTIVE_STEPS, cuda, top=40)]
-    if cuda:
-        tables += [idle_table(prof, PROFILE_ACTIVE_STEPS), sync_sites_table(sync_sites)]
-    return "\n".join(head) + "\n" + "\n".join(tables + [host_table(prof, PROFILE_ACTIVE_STEPS)])
+    return "\n".join(head) + "\n" + report(prof, PROFILE_ACTIVE_STEPS, cuda, sync_sites)
 
 
 # --- Output --------------------------------------------------------------------------------------

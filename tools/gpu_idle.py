@@ -8,7 +8,7 @@ is also charged to that sync's operator: the GPU ran dry because the host waited
 
 * :func:`idle_summary`: the arithmetic on plain spans (tested on the CPU).
 * :func:`idle_table`: markdown from a finished ``torch.profiler.profile`` with CUDA activity.
-* :class:`SyncCensus`: the Python call sites of every synchronizing CUDA call in one step
+* :class:`SyncCensus` (and :func:`sync_sites_table`): the Python call sites of every synchronizing CUDA call in one step
   (``torch.cuda.set_sync_debug_mode("warn")``); the backward runs on autograd's thread, whose syncs
   have no Python frame and are listed as such.
 """
@@ -138,6 +138,14 @@ def idle_table(prof, steps: int, top: int = 25, min_gap_us: float = 2.0) -> str:
               "", "| # | sync | gaps / step | idle ms / step |", "| --- | --- | --- | --- |"]
     for i, (label, (us, n)) in enumerate(sorted(s["by_sync"].items(), key=lambda kv: -kv[1][0])[:top], 1):
         lines.append(f"| {i} | `{label[:90]}` | {n / steps:.1f} | {us / 1e3 / steps:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def sync_sites_table(sites: collections.Counter) -> str:
+    """Markdown: a :class:`SyncCensus`'s sites, most syncs first."""
+    lines = [f"Host syncs of one step (`torch.cuda.set_sync_debug_mode`, {sum(sites.values())} in all), by call site:",
+             "", "| site | syncs |", "| --- | --- |"]
+    lines += [f"| `{site}` | {count} |" for site, count in sites.most_common()]
     return "\n".join(lines) + "\n"
 
 

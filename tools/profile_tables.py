@@ -5,6 +5,7 @@
   (``bwd: MulBackward0``), so that anonymous elementwise kernels get a name a reader can act on.
 * :func:`host_table`: the host (CPU) time per operator and runtime call: where a step that launches
   faster than the GPU runs would not be limited by the CPU, and where it is.
+* :func:`report`: those three, plus on the GPU ``tools/gpu_idle.py``'s device idle time and host syncs.
 """
 
 from __future__ import annotations
@@ -81,3 +82,16 @@ def host_table(prof, steps: int, top: int = 25) -> str:
         lines.append(f"| {i} | `{_label(e.key, 60)}` | {e.count / steps:.0f} | {e.self_cpu_time_total / 1e3 / steps:.3f} | "
                      f"{100 * e.self_cpu_time_total / total:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def report(prof, steps: int, cuda: bool, sync_sites=None) -> str:
+    """All tables of a profiled run of ``steps`` recorded steps: kernels, operators, on the GPU the device's idle
+    time (and a :class:`tools.gpu_idle.SyncCensus`'s ``sites`` if given), host time."""
+    from tools.gpu_idle import idle_table, sync_sites_table
+
+    tables = [kernel_table(prof, steps, cuda, top=30), op_table(prof, steps, cuda, top=40)]
+    if cuda:
+        tables.append(idle_table(prof, steps))
+        if sync_sites is not None:
+            tables.append(sync_sites_table(sync_sites))
+    return "\n".join(tables + [host_table(prof, steps)])
