@@ -44,6 +44,26 @@ CONFIGS = [
     ("fwd-old", _OLD_FORWARD),
     ("fwd-no-preload", {"FORWARD_PRELOAD": False}),  # 72 registers
     ("fwd-8vpt-preload", {"FORWARD_VALUES_PER_THREAD": 8}),  # 8 warps, 79 registers
+    # Forward opt-ins (fused.py: FORWARD_PACK_ROWS, the sources' bf16 rows held as int32 pairs; FORWARD_NEXT_TILE, a
+    # persistent grid with the next tile's rows in flight while this one is mixed, 1 source by source into the
+    # registers each frees, 2 all n at the tile's top). ptxas sm_90 with Triton 3.8 (kernels/_compile_check, pointers
+    # aligned), n = 9, h = 2048, without | with the fused norm: registers, spill-store bytes, programs per SM from the
+    # registers; [unpacked, same layout]. Default 128, 0 | 128, 0, 4 per SM. Not run on a GPU.
+    ("fwd-pack", {"FORWARD_PACK_ROWS": True}),  # 128, 0 | 128, 0; 4 per SM [same; 1688 -> 1624 instructions]
+    ("fwd-pack-32vpt", {"FORWARD_PACK_ROWS": True,  # 1 row over 2 warps: 255, 0 | 255, 0; 4 per SM
+                        "FORWARD_VALUES_PER_THREAD": 32}),  # [255, 0 | 255, 68]
+    ("fwd-pack-2rows", {"FORWARD_PACK_ROWS": True, "FORWARD_VALUES_PER_THREAD": 32,  # 2 rows over 4 warps:
+                        "FORWARD_TILE_ELEMENTS": 4096}),  # 255, 0 | 255, 0; 2 per SM [255, 0 | 255, 24]
+    ("fwd-next1-pack", {"FORWARD_PACK_ROWS": True, "FORWARD_NEXT_TILE": 1}),  # 195, 0 | 186, 0; 2 per SM
+    # [255, 4 | 254, 0]
+    ("fwd-next2-pack", {"FORWARD_PACK_ROWS": True, "FORWARD_NEXT_TILE": 2}),  # 255, 20 | 255, 0; 2 per SM
+    # [255, 0 | 255, 8]
+    ("fwd-next1-8vpt-pack", {"FORWARD_PACK_ROWS": True, "FORWARD_NEXT_TILE": 1,  # 8 warps: 107, 0 | 106, 0;
+                             "FORWARD_VALUES_PER_THREAD": 8}),  # 2 per SM [128, 0 | 130, 0; 2 | 1 per SM]
+    ("fwd-next2-8vpt-pack", {"FORWARD_PACK_ROWS": True, "FORWARD_NEXT_TILE": 2,  # 8 warps: 128, 0 | 128, 0;
+                             "FORWARD_VALUES_PER_THREAD": 8}),  # 2 per SM [165, 0 | 166, 0; 1 per SM]
+    ("fwd-next2-4vpt-pack", {"FORWARD_PACK_ROWS": True, "FORWARD_NEXT_TILE": 2,  # 16 warps: 64, 0 | 64, 0;
+                             "FORWARD_VALUES_PER_THREAD": 4}),  # 2 per SM [90, 0 | 99, 0; 1 per SM]
     ("bwd-old", _OLD_BACKWARD),
     ("bwd-4vpt-reload", {"BACKWARD_PRELOAD_VALUES_PER_THREAD": 4}),  # 16 warps, 104 registers
     ("bwd-8vpt-reload", {"BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 8 warps, 128 registers

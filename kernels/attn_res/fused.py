@@ -1,4 +1,6 @@
-"""Fused Triton kernels for Block AttnRes depth attention (maths in ``naive.py``).
+"""Fused Triton kernels for Block AttnRes depth attention (maths in ``naive.py``): their launchers and
+layout constants here, the kernels in ``fwd_kernel.py`` (forward), ``preload_bwd.py`` (the default
+backward and the finish kernel) and ``stream_bwd.py`` (the streaming backward).
 
 Per token, with ``u = w * gamma`` and ``r_i = rsqrt(mean(v_i^2) + eps)``, the logit is
 ``logit_i = r_i * (v_i . u)``: the normalised keys are never formed, only dot products per
@@ -52,149 +54,12 @@ from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
-# the preload backward lives in its own file; its kernels stay reachable here by name (tools and tests look
-# them up on this module, e.g. tools/bench_attnres_overhead.py stubs them)
+# The kernels live in their own files; they stay reachable here by name (tools and tests look them up on this
+# module, e.g. tools/bench_attnres_overhead.py stubs them, and the launchers below resolve them here).
+from kernels.attn_res.fwd_kernel import _depth_attention_fwd_kernel
 from kernels.attn_res.preload_bwd import _depth_attention_bwd_preload_kernel, _depth_attention_finish_kernel
-from kernels.attn_res.reductions import row_sums2, row_sums3
-
-
-@triton.jit
-def _depth_attention_fwd_kernel(
-    src_ptrs, query_ptr, norm_weight_ptr, out_ptr, lse_ptr, out_norm_weight_ptr, normed_ptr, out_rstd_ptr,
-    T, H, eps, out_norm_eps,
-    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FUSE_REDUCTIONS: tl.constexpr,
-    NORM_OUT: tl.constexpr, PRELOAD: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_mask = rows < T
-    cols = tl.arange(0, BLOCK_H)
-    col_mask = cols < H
-    mask = row_mask[:, None] & col_mask[None, :]
-    offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
-    u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-
-    running_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    normaliser = tl.zeros([BLOCK_T], tl.float32)
-    acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
-    # No stores inside this loop: a store may alias the next source, which would keep the
-    # compiler from issuing the n loads early. PRELOAD: all n loads are issued first in program
-    # order (each source's row reduction is a barrier, which later loads do not move above).
-    vs = ()
-    if PRELOAD:
-        for i in tl.static_range(N):
-            vs = vs + (tl.load(src_ptrs[i] + offs, mask=mask, other=0.0),)
-    for i in tl.static_range(N):
-        if PRELOAD:
-            v = vs[i].to(tl.float32)
-        else:
-            v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-        if FUSE_REDUCTIONS:
-            square_sum, vu = row_sums2(v * v, v * u[None, :])
-        else:
-            square_sum = tl.sum(v * v, axis=1)
-            vu = tl.sum(v * u[None, :], axis=1)
-        logit = vu * tl.rsqrt(square_sum / H + eps)
-        new_max = tl.maximum(running_max, logit)
-        rescale = tl.exp(running_max - new_max)
-        weight = tl.exp(logit - new_max)
-        normaliser = normaliser * rescale + weight
-        acc = acc * rescale[:, None] + weight[:, None] * v
-        running_max = new_max
-    out = (acc / normaliser[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs, out, mask=mask)
-    tl.store(lse_ptr + rows, running_max + tl.log(normaliser), mask=row_mask)
-    if NORM_OUT:  # RMSNorm of the output as stored (rounded to its dtype), as the sublayer's norm would compute it
-        x = out.to(tl.float32)
-        out_rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + out_norm_eps)
-        gamma_out = tl.load(out_norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        normed = x * out_rstd[:, None] * gamma_out[None, :]
-        tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_rstd_ptr + rows, out_rstd, mask=row_mask)
-
-
-@triton.jit
-def _depth_attention_bwd_kernel(
-    src_ptrs, grad_ptrs, query_ptr, norm_weight_ptr, out_ptr, grad_out_ptr, lse_ptr, partial_g_ptr,
-    out_norm_weight_ptr, out_rstd_ptr, partial_g_out_norm_ptr,
-    T, H, eps, out_norm_eps,
-    N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    FUSE_REDUCTIONS: tl.constexpr, PREFETCH: tl.constexpr, NORM_OUT: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_H)
-    col_mask = cols < H
-    u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    g_acc = tl.zeros([BLOCK_H], tl.float32)
-    if NORM_OUT:
-        g_out_norm_acc = tl.zeros([BLOCK_H], tl.float32)
-
-    for tile in range(pid, tl.cdiv(T, BLOCK_T), num_programs):
-        rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        row_mask = rows < T
-        mask = row_mask[:, None] & col_mask[None, :]
-        offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
-        # The store of source i's grad may alias source i + 1 for all the compiler knows, so
-        # source i + 1 (and its old grad) is loaded by hand before source i's grad is stored.
-        if PREFETCH:
-            v_next = tl.load(src_ptrs[0] + offs, mask=mask, other=0.0)
-            old_next = v_next
-            if ACCUMULATE & 1:
-                old_next = tl.load(grad_ptrs[0] + offs, mask=mask, other=0.0)
-        dout = tl.load(grad_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        out = tl.load(out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
-        if NORM_OUT:  # dout is the grad of RMSNorm(out): the norm's backward first, in registers
-            out_rstd = tl.load(out_rstd_ptr + rows, mask=row_mask, other=0.0)
-            # Loaded per tile (a cache hit): held across the loop, it made ptxas spill at small h.
-            gamma_out = tl.load(out_norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            g_out_norm_acc += tl.sum(dout * out * out_rstd[:, None], axis=0)
-            dout = dout * gamma_out[None, :]
-            dot = tl.sum(dout * out, axis=1)
-            r3 = out_rstd * out_rstd * out_rstd
-            dout = out_rstd[:, None] * dout - (r3 * dot / H)[:, None] * out
-            c = out_norm_eps * r3 * dot  # = dout . out, exactly (see the module docstring)
-        else:
-            c = tl.sum(dout * out, axis=1)  # = sum_i a_i (dout . v_i)
-        for i in tl.static_range(N):
-            if PREFETCH:
-                v = v_next.to(tl.float32)
-                old = old_next
-                if i + 1 < N:
-                    v_next = tl.load(src_ptrs[i + 1] + offs, mask=mask, other=0.0)
-                    if (ACCUMULATE >> (i + 1)) & 1:
-                        old_next = tl.load(grad_ptrs[i + 1] + offs, mask=mask, other=0.0)
-            else:
-                v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-                old = v
-                if (ACCUMULATE >> i) & 1:
-                    old = tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0)
-            if FUSE_REDUCTIONS:
-                square_sum, vu, da = row_sums3(v * v, v * u[None, :], v * dout)
-            else:
-                square_sum = tl.sum(v * v, axis=1)
-                vu = tl.sum(v * u[None, :], axis=1)
-                da = tl.sum(v * dout, axis=1)
-            rstd = tl.rsqrt(square_sum / H + eps)
-            logit = vu * rstd
-            a = tl.exp(logit - lse)
-            coef = a * (da - c) * rstd  # dlogit_i * r_i
-            if N == 1:  # one source: the softmax is constant (a = 1, dlogit = 0) exactly
-                a = tl.full([BLOCK_T], 1.0, tl.float32)
-                coef = tl.zeros([BLOCK_T], tl.float32)
-            dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
-            if (ACCUMULATE >> i) & 1:
-                dv += old.to(tl.float32)
-            tl.store(grad_ptrs[i] + offs, dv.to(grad_ptrs[i].dtype.element_ty), mask=mask)
-            g_acc += tl.sum(coef[:, None] * v, axis=0)
-
-    tl.store(partial_g_ptr + pid.to(tl.int64) * H + cols, g_acc, mask=col_mask)
-    if NORM_OUT:
-        tl.store(partial_g_out_norm_ptr + pid.to(tl.int64) * H + cols, g_out_norm_acc, mask=col_mask)
+from kernels.attn_res.stream_bwd import _depth_attention_bwd_kernel
 
 
 @dataclass(frozen=True)
@@ -241,6 +106,17 @@ BACKWARD_PROGRAMS_PER_SM: int | None = None
 FORWARD_VALUES_PER_THREAD = 16
 FORWARD_PRELOAD = True  # issue the n source loads before the first row reduction
 FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one barrier, not two)
+# Opt-in forward variants (swept by tools/sweep_attnres_kernels.py; offline sm_90 registers there). PACK_ROWS: the
+# sources' 2-byte rows loaded and held as int32 pairs (as BACKWARD_PACK_ROWS; where h is even and the sources 4-byte
+# aligned); bit-identical results. At the default layout it saves no registers (ptxas already keeps the one-tile
+# kernel's loaded words packed, 128 either way at n = 9), but it takes the spills out of the 32-values-per-thread
+# layouts and it is what makes NEXT_TILE fit: a persistent grid (one wave, from the compiled kernel's registers)
+# whose programs walk the tiles with the next tile's rows in flight while this one is mixed; 1: source i's loaded
+# right after this tile's source i is unpacked (into the registers it frees), 2: all n at the tile's top. Those
+# rows are loop-carried: unpacked, ptxas holds them one bf16 per register (n = 9, 8 values per thread, NEXT_TILE 2:
+# 166 registers packed 128).
+FORWARD_PACK_ROWS = False
+FORWARD_NEXT_TILE = 0
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
 BACKWARD_NORM_VALUES_PER_THREAD = 4  # backward with the fused output norm (backward_launch_config)
@@ -334,14 +210,21 @@ def fused_depth_attention_forward(
     if T == 0:
         return out, lse, normed, out_rstd
     cfg = launch_config(H, FORWARD_TILE_ELEMENTS, FORWARD_VALUES_PER_THREAD)
-    grid = (-(-T // cfg.block_t),)
-    _depth_attention_fwd_kernel[grid](
-        tuple(sources), query, norm_weight, out, lse,
-        out_norm_weight if norm_out else norm_weight, normed if norm_out else out, out_rstd if norm_out else lse,
-        T, H, eps, out_norm_eps,
-        N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, FUSE_REDUCTIONS=FORWARD_FUSE_REDUCTIONS,
-        NORM_OUT=norm_out, PRELOAD=FORWARD_PRELOAD, num_warps=cfg.num_warps,
-    )
+    tiles = -(-T // cfg.block_t)
+    args = (tuple(sources), query, norm_weight, out, lse,
+            out_norm_weight if norm_out else norm_weight, normed if norm_out else out, out_rstd if norm_out else lse,
+            T, H, eps, out_norm_eps)
+    kwargs = dict(N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, FUSE_REDUCTIONS=FORWARD_FUSE_REDUCTIONS,
+                  NORM_OUT=norm_out, PRELOAD=FORWARD_PRELOAD, PACK=FORWARD_PACK_ROWS and _packable(H, sources),
+                  NEXT_TILE=FORWARD_NEXT_TILE)
+    grid = (tiles,)
+    if FORWARD_NEXT_TILE:  # persistent: one wave of programs, each walking tiles pid, pid + programs, ...
+        device = out.device
+        per_sm = (_programs_per_sm(_depth_attention_fwd_kernel, args, kwargs, cfg.num_warps, device)
+                  if device.type == "cuda" else 1)  # interpreter: two programs, each still walks several tiles
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+        grid = (max(1, min(tiles, per_sm * sms)),)
+    _depth_attention_fwd_kernel[grid](*args, num_warps=cfg.num_warps, **kwargs)
     return out, lse, normed, out_rstd
 
 

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels.attn_res.reductions import row_sums3, row_sums5
+from kernels.attn_res.rows import _load_rows, _rows_f32, _tile_offsets
 
 
 @triton.jit
@@ -31,46 +32,6 @@ def _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT: tl
         dout = dy
         c = tl.sum(dy * out, axis=1)
     return dout, c
-
-
-@triton.jit
-def _tile_offsets(tile, T, H, cols, col_mask, BLOCK_T: tl.constexpr):
-    """(rows, row mask, element mask, element offsets) of token tile ``tile`` (all masked off past T)."""
-    rows = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_mask = rows < T
-    mask = row_mask[:, None] & col_mask[None, :]
-    return rows, row_mask, mask, rows.to(tl.int64)[:, None] * H + cols[None, :]
-
-
-@triton.jit
-def _load_rows(ptr, tile_at, H, BLOCK_H: tl.constexpr, PACK: tl.constexpr):
-    """A token tile's rows (``tile_at``, from ``_tile_offsets``) of the ``[T, H]`` tensor at ``ptr`` as loaded;
-    with ``PACK`` (H even, 2-byte dtypes, 4-byte aligned) as int32 pairs, ``[BLOCK_T, BLOCK_H / 2]``: one
-    register per pair (ptxas kept loop-carried and long-lived bf16 values one per 16-bit register and spilled
-    them). ``_rows_f32`` unpacks."""
-    rows, row_mask, mask, offs = tile_at
-    if PACK and ptr.dtype.element_ty.primitive_bitwidth == 16:
-        cols = tl.arange(0, BLOCK_H // 2)
-        offs = rows.to(tl.int64)[:, None] * (H // 2) + cols[None, :]
-        mask = row_mask[:, None] & (cols < H // 2)[None, :]
-        return tl.load(ptr.to(tl.pointer_type(tl.int32)) + offs, mask=mask, other=0)
-    else:
-        return tl.load(ptr + offs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _rows_f32(x, ptr, BLOCK_H: tl.constexpr, PACK: tl.constexpr):
-    """``_load_rows(ptr, ...)`` as fp32 ``[BLOCK_T, BLOCK_H]`` (pairs: element 2k in the low half)."""
-    if PACK and ptr.dtype.element_ty.primitive_bitwidth == 16:
-        if ptr.dtype.element_ty == tl.bfloat16:
-            low = (x << 16).to(tl.float32, bitcast=True)
-            high = (x & -65536).to(tl.float32, bitcast=True)
-        else:
-            low = x.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            high = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        return tl.reshape(tl.join(low, high), [x.shape[0], BLOCK_H])
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit

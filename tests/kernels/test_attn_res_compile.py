@@ -24,7 +24,8 @@ def test_kernels_compile_for_hopper_without_a_gpu(norm_out):
             fused._depth_attention_fwd_kernel: (
                 {"out_ptr": "*bf16", "lse_ptr": "*fp32", "normed_ptr": "*bf16"},
                 {"FUSE_REDUCTIONS": fused.FORWARD_FUSE_REDUCTIONS, "NORM_OUT": norm_out,
-                 "PRELOAD": fused.FORWARD_PRELOAD},
+                 "PRELOAD": fused.FORWARD_PRELOAD, "PACK": fused.FORWARD_PACK_ROWS,
+                 "NEXT_TILE": fused.FORWARD_NEXT_TILE},
                 fused.FORWARD_TILE_ELEMENTS,
             ),
             fused._depth_attention_bwd_kernel: (
@@ -133,3 +134,30 @@ def test_preload_backward_variants_compile(values_per_thread, pipeline, stages, 
     assert used.spill_stores <= max_spill and used.spill_loads <= max_spill, used
     if stages:  # the tile's loads became asynchronous copies; one program's buffers fit an SM's 227 KB
         assert "cp.async" in compiled.asm["ptx"] and used.shared <= 227 * 1024, used
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
+@pytest.mark.parametrize("values_per_thread, tile, next_tile, max_registers", [
+    (16, 2048, 1, 200),  # persistent, the next tile's rows in flight: ~190 (255 and spills unpacked), 2 per SM
+    (32, 4096, 0, 255),  # 2 rows over 4 warps: unpacked it spilled ~24 bytes with the norm
+], ids=["next1-pack", "pack-2rows"])
+def test_forward_variants_compile(values_per_thread, tile, next_tile, max_registers):
+    # Opt-in forward variants of tools/sweep_attnres_kernels.py (fused.FORWARD_PACK_ROWS, FORWARD_NEXT_TILE) at the
+    # benchmark's widest call (n = 9, h = 2048, the fused norm), pointers aligned as the launcher specialises them.
+    import kernels.attn_res.fused as fused
+    from kernels._compile_check import compile_for, resources
+
+    n = 9
+    cfg = fused.launch_config(2048, tile, values_per_thread)
+    signature = {
+        "src_ptrs": ("*bf16",) * n, "query_ptr": "*fp32", "norm_weight_ptr": "*fp32", "out_ptr": "*bf16",
+        "lse_ptr": "*fp32", "out_norm_weight_ptr": "*bf16", "normed_ptr": "*bf16", "out_rstd_ptr": "*fp32",
+        "T": "i32", "H": "i32", "eps": "fp32", "out_norm_eps": "fp32",
+    }
+    constexprs = {"N": n, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h, "FUSE_REDUCTIONS": True, "NORM_OUT": True,
+                  "PRELOAD": True, "PACK": True, "NEXT_TILE": next_tile}
+    aligned = [name for name in _ALIGNED + ("normed_ptr",) if name in signature]
+    compiled = compile_for(fused._depth_attention_fwd_kernel, signature, constexprs, num_warps=cfg.num_warps,
+                           aligned=aligned)
+    used = resources(compiled)
+    assert used.spill_stores == 0 and used.spill_loads == 0 and used.registers <= max_registers, (cfg, used)
