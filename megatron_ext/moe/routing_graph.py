@@ -81,6 +81,7 @@ def _capture(scores, k, capacity_factor, bias, num_bins, device_rounds) -> _Grap
         pool = _pools.get(scores.device)
         if pool is None:
             pool = _pools[scores.device] = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: a data loader's pinning thread may use CUDA meanwhile; only this thread is captured
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = decide()
     return _Graph(graph, static_scores, outputs)
