@@ -35,6 +35,23 @@ def _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT: tl
 
 
 @triton.jit
+def _tile_rows(src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptr, out2_ptr, tile_at, H, N: tl.constexpr,
+               BLOCK_H: tl.constexpr, PAIRED: tl.constexpr, PACK: tl.constexpr):
+    """A tile's ``dy``, ``out`` (and the paired call's; else the first call's again, never read) and the n
+    sources, as loaded (``rows._load_rows``), in that order."""
+    dy_raw = _load_rows(grad_out_ptr, tile_at, H, BLOCK_H, PACK)
+    out_raw = _load_rows(out_ptr, tile_at, H, BLOCK_H, PACK)
+    dy2_raw, out2_raw = dy_raw, out_raw
+    if PAIRED > 0:
+        dy2_raw = _load_rows(grad_out2_ptr, tile_at, H, BLOCK_H, PACK)
+        out2_raw = _load_rows(out2_ptr, tile_at, H, BLOCK_H, PACK)
+    vs = ()
+    for i in tl.static_range(N):
+        vs = vs + (_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK),)
+    return dy_raw, out_raw, dy2_raw, out2_raw, vs
+
+
+@triton.jit
 def _depth_attention_bwd_preload_kernel(
     src_ptrs, grad_ptrs, query_ptr, norm_weight_ptr, out_ptr, grad_out_ptr, lse_ptr, partial_g_ptr,
     out_norm_weight_ptr, out_rstd_ptr, partial_g_out_norm_ptr,
@@ -83,28 +100,16 @@ def _depth_attention_bwd_preload_kernel(
         g2_acc = tl.zeros([BLOCK_H], tl.float32)
 
     if PIPELINE & 2:  # the first tile's rows; each later tile's are loaded during the tile before it
-        first = _tile_offsets(pid, T, H, cols, col_mask, BLOCK_T)
-        dy_raw = _load_rows(grad_out_ptr, first, H, BLOCK_H, PACK)
-        out_raw = _load_rows(out_ptr, first, H, BLOCK_H, PACK)
-        if PAIRED > 0:
-            dy2_raw = _load_rows(grad_out2_ptr, first, H, BLOCK_H, PACK)
-            out2_raw = _load_rows(out2_ptr, first, H, BLOCK_H, PACK)
-        vs = ()
-        for i in tl.static_range(N):
-            vs = vs + (_load_rows(src_ptrs[i], first, H, BLOCK_H, PACK),)
+        dy_raw, out_raw, dy2_raw, out2_raw, vs = _tile_rows(
+            src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptr, out2_ptr, _tile_offsets(pid, T, H, cols, col_mask, BLOCK_T),
+            H, N, BLOCK_H, PAIRED, PACK)
 
     for tile in tl.range(pid, tl.cdiv(T, BLOCK_T), num_programs, num_stages=STAGES):
         tile_at = _tile_offsets(tile, T, H, cols, col_mask, BLOCK_T)
         rows, row_mask, mask, offs = tile_at
         if not PIPELINE & 2:  # -- every load of the tile first ------------------------------------------
-            dy_raw = _load_rows(grad_out_ptr, tile_at, H, BLOCK_H, PACK)
-            out_raw = _load_rows(out_ptr, tile_at, H, BLOCK_H, PACK)
-            if PAIRED > 0:
-                dy2_raw = _load_rows(grad_out2_ptr, tile_at, H, BLOCK_H, PACK)
-                out2_raw = _load_rows(out2_ptr, tile_at, H, BLOCK_H, PACK)
-            vs = ()
-            for i in tl.static_range(N):
-                vs = vs + (_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK),)
+            dy_raw, out_raw, dy2_raw, out2_raw, vs = _tile_rows(
+                src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptr, out2_ptr, tile_at, H, N, BLOCK_H, PAIRED, PACK)
         olds = ()  # the old grads being added to (placeholders where not accumulated; never read)
         if not PIPELINE & 1:
             for i in tl.static_range(N):
