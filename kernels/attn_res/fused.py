@@ -166,11 +166,12 @@ def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device)
     return _resident_programs[key]
 
 
-def _backward_capacity(device: torch.device, kernel=None, args=None, kwargs=None, num_warps=1) -> int:
-    """Backward programs that run at once (one wave); the grid is ``min(tiles, capacity)``."""
+def _one_wave(device: torch.device, kernel, args, kwargs, num_warps: int, per_sm: int | None = None) -> int:
+    """Programs of ``kernel`` that run at once (``per_sm`` per SM, else from its registers and shared memory);
+    a persistent grid (the backward, the forward's NEXT_TILE) is ``min(tiles, one wave)``."""
     if device.type != "cuda":
         return 2  # interpreter: still exercises the per-program loop
-    per_sm = BACKWARD_PROGRAMS_PER_SM or _programs_per_sm(kernel, args, kwargs, num_warps, device)
+    per_sm = per_sm or _programs_per_sm(kernel, args, kwargs, num_warps, device)
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -219,11 +220,7 @@ def fused_depth_attention_forward(
                   NEXT_TILE=FORWARD_NEXT_TILE)
     grid = (tiles,)
     if FORWARD_NEXT_TILE:  # persistent: one wave of programs, each walking tiles pid, pid + programs, ...
-        device = out.device
-        per_sm = (_programs_per_sm(_depth_attention_fwd_kernel, args, kwargs, cfg.num_warps, device)
-                  if device.type == "cuda" else 1)  # interpreter: two programs, each still walks several tiles
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-        grid = (max(1, min(tiles, per_sm * sms)),)
+        grid = (max(1, min(tiles, _one_wave(out.device, _depth_attention_fwd_kernel, args, kwargs, cfg.num_warps))),)
     _depth_attention_fwd_kernel[grid](*args, num_warps=cfg.num_warps, **kwargs)
     return out, lse, normed, out_rstd
 
@@ -357,7 +354,8 @@ def fused_depth_attention_backward_sums(
         if capacity is not None:
             break
         # First call with this key: compile, read the register count, size the grid from it.
-        capacity = _backward_capacities[key] = _backward_capacity(device, kernel, args, kwargs, cfg.num_warps)
+        capacity = _backward_capacities[key] = _one_wave(device, kernel, args, kwargs, cfg.num_warps,
+                                                          BACKWARD_PROGRAMS_PER_SM)
         programs = max(1, min(-(-T // cfg.block_t), capacity))
     kernel[(programs,)](*args, num_warps=cfg.num_warps, **kwargs)
     if not preload:
