@@ -13,8 +13,8 @@ def moe_config(**overrides) -> TransformerConfig:
                     moe_ffn_hidden_size=8, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                     moe_router_score_function="sigmoid", use_cpu_initialization=True, init_method_std=0.3)
     settings.update(overrides)
-    ours = {key: settings.pop(key) for key in ("moe_balancer", "moe_qb_num_bins", "moe_qb_device_rounds", "moe_qb_host_reads", "moe_qb_cuda_graph")
-            if key in settings}
+    ours = {key: settings.pop(key) for key in ("moe_balancer", "moe_qb_num_bins", "moe_qb_device_rounds",
+                                               "moe_qb_host_reads", "moe_qb_cuda_graph") if key in settings}
     config = TransformerConfig(**settings)
     for key, value in ours.items():  # our knobs; HybridConfig declares them
         setattr(config, key, value)
