@@ -20,7 +20,11 @@ Variants (``--variants``, default all):
   factor 1.25), Block AttnRes (N = 8);
 * ``ours_base_16k`` / ``ours_full_16k``: the same at sequence 16384, micro-batch
   ``--long-micro-batch`` (default 1: at 2 the static ~63 GB of weights, grads and AdamW state plus
-  4x the 4k activations would not fit in one H200's 139 GB).
+  4x the 4k activations would not fit in one H200's 139 GB);
+* ``ours_full+graph`` / ``ours_full_16k+graph`` (A/B only, not in the default list): the ours_full
+  row with its capacity routing replayed from CUDA graphs (``--qb-cuda-graph`` for that row alone).
+  A name may repeat: ``--variants ours_full_16k,ours_full_16k+graph,ours_full_16k,ours_full_16k+graph``
+  is an ABAB comparison in one process.
 
 Model FLOPs per token come from ``megatron_ext/flops.py`` for every row (the stock row is counted
 with ``ours_base``'s config: same layers, same formula); docs/e2e.md writes the formula out.
@@ -52,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
 
 VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
+GRAPH_SUFFIX = "+graph"  # the same row with moe_qb_cuda_graph on (and host reads off) for that row only
+GRAPH_VARIANTS = ("ours_full" + GRAPH_SUFFIX, "ours_full_16k" + GRAPH_SUFFIX)
 DEFAULT_OUT = "docs/bench/e2e-h200.json"
 GPU_SIZES = dict(
     model=dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=64,
@@ -92,7 +98,7 @@ def parse_args(argv=None):
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps of every row (default: off, as in training's "
                         "manual_gc; a full collection took ~240 ms)")
-    p.add_argument("--profile", default=None, metavar="NAME", choices=VARIANTS,
+    p.add_argument("--profile", default=None, metavar="NAME", choices=VARIANTS + GRAPH_VARIANTS,
                    help="instead of timing: profile a few steps of NAME, write its top-20 kernels as markdown")
     p.add_argument("--profile-out", default=None, help="markdown path (default docs/profile-NAME.md)")
     p.add_argument("--profile-trace", default=None, help="also export the Chrome trace here")
@@ -109,9 +115,11 @@ def parse_args(argv=None):
         if args.qb_host_reads:
             p.error("--qb-cuda-graph needs --qb-host-reads off (a CUDA graph cannot read the device)")
         args.qb_host_reads = False
-    bad = sorted(set(args.variants) - set(VARIANTS))
+    bad = sorted(set(args.variants) - set(VARIANTS) - set(GRAPH_VARIANTS))
     if bad:
-        p.error(f"unknown variants {bad}; known: {', '.join(VARIANTS)}")
+        p.error(f"unknown variants {bad}; known: {', '.join(VARIANTS + GRAPH_VARIANTS)}")
+    if args.smoke and set(args.variants) & set(GRAPH_VARIANTS):
+        p.error(f"{sorted(GRAPH_VARIANTS)} need a CUDA GPU (CUDA graphs), not --smoke")
     if args.out is None and not args.smoke and args.profile is None:
         args.out = DEFAULT_OUT
     return args
@@ -120,7 +128,7 @@ def parse_args(argv=None):
 # --- Models --------------------------------------------------------------------------------------
 def variant_shape(name: str, sizes: dict) -> tuple[int, int]:
     """(sequence length, micro-batch) of a variant."""
-    if name.endswith("_16k"):
+    if name.removesuffix(GRAPH_SUFFIX).endswith("_16k"):
         return sizes["long_seq"], sizes["long_micro_batch"]
     return sizes["seq"], sizes["micro_batch"]
 
@@ -201,9 +209,10 @@ def variant_setup(name: str, args, cuda: bool):
         config = stock_config(sizes, cuda)
         return (lambda: build_stock_chunks(config, sizes, seq, args.stock_attention),
                 config, None, base, seq, micro_batch)
+    graphed = args.qb_cuda_graph or name.endswith(GRAPH_SUFFIX)
     config = ours_config(sizes, seq, techniques=name.startswith("ours_full"), cuda=cuda,
-                         qb_device_rounds=args.qb_device_rounds, qb_host_reads=args.qb_host_reads,
-                         qb_cuda_graph=args.qb_cuda_graph)
+                         qb_device_rounds=args.qb_device_rounds,
+                         qb_host_reads=False if graphed else args.qb_host_reads, qb_cuda_graph=graphed)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def after_step(chunks):  # once per optimizer step, as launch/train.py does

@@ -77,3 +77,20 @@ def test_two_gpu_rows_get_their_scaling_efficiency(tmp_path):
     rows = {(r["name"], r["gpus"]): r for r in json.loads(path.read_text())["rows"]}
     assert rows[("ours_base", 2)]["scaling_efficiency"] == 0.9
     assert "scaling_efficiency" not in rows[("stock", 2)] and "scaling_efficiency" not in rows[("ours_base", 1)]
+
+
+def test_graph_rows_parse_with_repeats_and_only_on_the_gpu(capsys):
+    import pytest
+
+    from tools.bench_e2e import GPU_SIZES, parse_args, variant_shape
+
+    args = parse_args(["--variants", "ours_full_16k,ours_full_16k+graph,ours_full_16k,ours_full_16k+graph"])
+    assert args.variants == ["ours_full_16k", "ours_full_16k+graph"] * 2  # ABAB stays in order
+    assert variant_shape("ours_full_16k+graph", GPU_SIZES) == variant_shape("ours_full_16k", GPU_SIZES)
+    assert variant_shape("ours_full+graph", GPU_SIZES) == (GPU_SIZES["seq"], GPU_SIZES["micro_batch"])
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "ours_base+graph"])  # the base rows have no capacity routing to graph
+    assert "unknown variants ['ours_base+graph']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--variants", "ours_full+graph"])
+    assert "need a CUDA GPU" in capsys.readouterr().err

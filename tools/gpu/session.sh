@@ -51,8 +51,10 @@ step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-
 # expandable segments: the five variants of one process reuse memory of different shapes
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 step e2e ${E2E_LIMIT:-400} python3 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200.json"
-# the ours_full rows with the capacity routing replayed from CUDA graphs (pair it with the e2e step's rows)
-step e2e-graph ${E2E_LIMIT:-300} python3 tools/bench_e2e.py --variants ours_full,ours_full_16k --qb-cuda-graph --out "$OUT/e2e-graph-h200.json"
+# ours_full_16k with and without its capacity routing replayed from CUDA graphs, ABAB in one process, beside
+# ours_base_16k (the criterion's other side)
+step e2e-graph ${E2E_LIMIT:-300} python3 tools/bench_e2e.py --out "$OUT/e2e-graph-h200.json" \
+  --variants ${E2E_GRAPH_VARIANTS:-ours_base_16k,ours_full_16k,ours_full_16k+graph,ours_full_16k,ours_full_16k+graph,ours_base_16k}
 step e2e2 ${E2E_LIMIT:-300} torchrun --standalone --nproc-per-node 2 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200x2.json"
 step profile 150 python3 tools/bench_e2e.py --profile ours_full --profile-out "$OUT/profile-ours_full.md"
 tail -n 60 "$LOG" | grep -E "^===|passed|failed|error|Error" | tail -40
