@@ -111,7 +111,7 @@ def main(argv=None) -> None:
 
     from megatron_ext.data.build import build_data_iterators
     from megatron_ext.flops import model_flops_per_token
-    from megatron_ext.moe.metrics import collect_moe_metrics
+    from megatron_ext.moe.metrics import collect_moe_metrics, reset_moe_step_statistics
     from megatron_ext.moe.router import update_expert_biases
     from megatron_ext.parallel import build_model_chunks, build_optimizer, initialize_parallel, wrap_ddp
     from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
@@ -232,40 +232,58 @@ def main(argv=None) -> None:
     flops_per_token = model_flops_per_token(model_cfg, train.seq_length)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
-    def run(microbatches, forward_only=False):
+    def run(microbatches, forward_only=False, read_loss=True):
         return forward_backward(
-            chunks, microbatches, train.seq_length, train.micro_batch_size, forward_only=forward_only
+            chunks, microbatches, train.seq_length, train.micro_batch_size, forward_only=forward_only,
+            read_loss=read_loss,
         )
+
+    def is_logged(it):  # the same on every rank: the MoE metrics' collectives run on these steps only
+        return it % log_cfg.log_interval == 0 or it == train.train_iters
+
+    def device_time() -> float:  # the host clock once the device has caught up
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     log0(f"> training from iteration {iteration} to {train.train_iters}")
     with manual_gc(train.manual_gc, train.manual_gc_interval) as collect_garbage:
+        # Iteration time: the mean over the steps since the last logged one (the host runs ahead of the device
+        # between logged steps, so one step's host time says nothing).
+        window_start, window_steps = device_time(), 0
         while iteration < train.train_iters:
-            start = time.perf_counter()
             for c in chunks:
                 c.zero_grad_buffer()
             optimizer.zero_grad()
-            loss = run([next(data.train) for _ in range(micro_per_step)])
+            # No host read of the device between here and the logging below (loss and grad norm stay device
+            # tensors until logged), so the host queues the optimizer step while the backward runs.
+            loss = run([next(data.train) for _ in range(micro_per_step)], read_loss=False)
             _, grad_norm, _ = optimizer.step()
             scheduler.step(increment=1)
+            iteration += 1
+            window_steps += 1
+            consumed += train.global_batch_size
             moe = None
             if model_cfg.num_moe_experts:
-                # Collectives on every rank; before the bias update so bias stats are this step's.
-                moe = collect_moe_metrics(
-                    chunks,
-                    ps.get_expert_model_parallel_group(),
-                    dp_group=bias_group,
-                    pp_group=ps.get_pipeline_model_parallel_group(),
-                )
+                if is_logged(iteration):
+                    # Collectives on every rank; before the bias update so bias stats are this step's.
+                    moe = collect_moe_metrics(
+                        chunks,
+                        ps.get_expert_model_parallel_group(),
+                        dp_group=bias_group,
+                        pp_group=ps.get_pipeline_model_parallel_group(),
+                    )
+                else:  # the routers' step sums start again at zero, as collect_moe_metrics leaves them
+                    reset_moe_step_statistics(chunks)
             update_expert_biases(chunks, bias_group)
-            iteration += 1
-            consumed += train.global_batch_size
-            elapsed = time.perf_counter() - start
-            tokens_per_sec = train.global_batch_size * train.seq_length / elapsed
-            if is_logger and (iteration % log_cfg.log_interval == 0 or iteration == train.train_iters):
+            if is_logged(iteration):
+                elapsed = (device_time() - window_start) / window_steps
+                tokens_per_sec = train.global_batch_size * train.seq_length / elapsed
+            if is_logger and is_logged(iteration):
                 logger.log_iteration(
                     iteration,
                     consumed_samples=consumed,
-                    lm_loss=loss,
+                    lm_loss=float(loss),
                     lr=optimizer.param_groups[0]["lr"],
                     grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                     batch_size=train.global_batch_size,
@@ -276,9 +294,11 @@ def main(argv=None) -> None:
                     num_gpus=world,
                     extra=moe.scalars() if moe is not None else None,
                 )
-            if rank_logger is not None and moe is not None and iteration % log_cfg.log_interval == 0:
+            if rank_logger is not None and moe is not None and is_logged(iteration):
                 moe.log_tensorboard(rank_logger, iteration, rank, write_heatmap=is_logger)
-            if log_cfg.eval_iters and data.valid is not None and iteration % log_cfg.eval_interval == 0:
+            evaluate = bool(log_cfg.eval_iters and data.valid is not None and iteration % log_cfg.eval_interval == 0)
+            checkpoint = bool(ckpt_cfg.save and ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0)
+            if evaluate:
                 data.valid.reset()
                 micro_eval = log_cfg.eval_iters * micro_per_step
                 with torch.no_grad():
@@ -286,9 +306,11 @@ def main(argv=None) -> None:
                 if is_logger:
                     logger.log_validation(iteration, val, consumed)
             # 5. Checkpoints.
-            if ckpt_cfg.save and ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0:
+            if checkpoint:
                 save(iteration)
             collect_garbage(iteration)
+            if is_logged(iteration) or evaluate or checkpoint:  # their time is not the steps'
+                window_start, window_steps = device_time(), 0
     if ckpt_cfg.save and not (ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0):
         save(iteration)
     logger.close()

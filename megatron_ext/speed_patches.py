@@ -4,8 +4,10 @@ Opted into, not installed: :func:`scoped_fast_fallbacks` wraps *our* optimizer's
 (``megatron_ext.parallel.build_optimizer``) so that, inside it only, Megatron's no-Apex stand-ins for Apex's
 multi-tensor kernels are replaced by torch's foreach ops: ``local_multi_tensor_l2_norm`` (per-tensor norms
 gathered with ``torch.tensor(list)``: one host sync per parameter tensor) and ``local_multi_tensor_scale``
-(``dst.copy_(src * scale)``: an fp32 temporary per tensor when clipping). Same values
-(``tests/test_cpu_compat.py``); stock Megatron optimizers built elsewhere in the process keep Megatron's own
+(``dst.copy_(src * scale)``: an fp32 temporary per tensor when clipping), and the grad norm stays on the
+device (Megatron's own path when Transformer Engine's tensor-scale kernel exists: ``step`` returns the norm as
+a one-element tensor and nothing in the step reads the device). Same values (``tests/test_cpu_compat.py``,
+``tests/parallel/test_fused_adamw_step.py``); stock Megatron optimizers built elsewhere in the process keep Megatron's own
 path; with Apex or Transformer Engine present it does nothing.
 
 :func:`use_fused_adamw_step` goes further for Megatron's mixed-precision (non-distributed) optimizer: its
@@ -57,8 +59,11 @@ def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 
 
 def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
-    """Megatron's ``multi_tensor_scale_impl`` contract: ``dst = src * scale``; in place when ``dst is src``."""
+    """Megatron's ``multi_tensor_scale_impl`` contract: ``dst = src * scale``; in place when ``dst is src``.
+    Also its ``multi_tensor_scale_tensor_impl``: ``scale`` a one-element device tensor, read on the device."""
     src, dst = tensor_lists
+    if isinstance(scale, torch.Tensor):
+        scale = scale.reshape(())  # foreach ops take a 0-d tensor as their scalar
     if all(a is b for a, b in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
     else:
@@ -71,6 +76,14 @@ _fused_main_params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.W
 _pending_clip: dict[int, float] = {}  # id(main param) -> clip coefficient of the step under way
 
 
+def _clip_coefficient(max_norm, total_norm):
+    """Megatron's ``min(max_norm / (total_norm + 1e-6), 1)``: a number for a number, a one-element fp32 tensor
+    on the norm's device for a norm left there (no host sync)."""
+    if isinstance(total_norm, torch.Tensor):
+        return (float(max_norm) / (total_norm.float().reshape(1) + 1.0e-6)).clamp_max_(1.0)
+    return min(float(max_norm) / (float(total_norm) + 1.0e-6), 1.0)
+
+
 def _clip_into_fused_step(original):
     """Megatron's ``clip_grad_by_total_norm_fp32`` with the fused optimizers' parameters left unscaled: their
     coefficient (Megatron's ``max_norm / (total_norm + 1e-6)``, applied when below 1) goes to the AdamW
@@ -79,7 +92,7 @@ def _clip_into_fused_step(original):
     def clip(parameters, max_norm, total_norm, use_decoupled_grad=False):
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not use_decoupled_grad:
-            coeff = min(float(max_norm) / (float(total_norm) + 1.0e-6), 1.0)
+            coeff = _clip_coefficient(max_norm, total_norm)
             others = []
             for p in params:
                 if _fused_main_params.get(id(p)) is p:
@@ -273,7 +286,9 @@ def _first_grad_into_main_grad(param, grad):
 @contextlib.contextmanager
 def fast_fallbacks():
     """Inside: Megatron's clip_grads module uses :func:`foreach_l2_norm` / :func:`foreach_scale` in place of
-    its no-Apex stand-ins (left alone when Apex or Transformer Engine supplies the real kernels)."""
+    its no-Apex stand-ins, and :func:`foreach_scale` as its tensor-scale kernel, so the grad norm stays a device
+    tensor (what Megatron does with Transformer Engine: the optimizer's ``step`` returns it as a one-element
+    tensor, read when logged). Left alone when Apex or Transformer Engine supplies the real kernels."""
     from megatron.core import utils as mcore_utils
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
@@ -282,13 +297,17 @@ def fast_fallbacks():
     saved_clip = mcore_optimizer.clip_grad_by_total_norm_fp32
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_into_fused_step(saved_clip)
     no_apex = clip_grads.l2_norm_impl is mcore_utils.local_multi_tensor_l2_norm
-    saved = clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl
+    saved = clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl, clip_grads.multi_tensor_scale_tensor_impl
     if no_apex:
+        # A tensor-scale kernel switches Megatron's get_grad_norm_fp32 to returning the norm as a device tensor
+        # (its Transformer Engine path) instead of reading it to the host: no sync in the step.
         clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = foreach_l2_norm, foreach_scale
+        clip_grads.multi_tensor_scale_tensor_impl = foreach_scale
     try:
         yield
     finally:
-        clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl = saved
+        (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl,
+         clip_grads.multi_tensor_scale_tensor_impl) = saved
         mcore_optimizer.clip_grad_by_total_norm_fp32 = saved_clip
 
 

@@ -130,20 +130,27 @@ few, many = make(1), make(10)
 stock_few, stock_many = norm_and_ops(few), norm_and_ops(many)
 with speed_patches.fast_fallbacks():
     fast_few, fast_many = norm_and_ops(few), norm_and_ops(many)
-# Megatron's stand-in launches one norm per tensor (on CUDA each is read back to the host); the foreach
-# one does the same work for 4 or 40 tensors in a fixed number of ops, with one host read (the .item()).
+# Megatron's stand-in launches one norm per tensor (on CUDA each is read back to the host) and reads the total
+# (.item()); the foreach one does the same work for 4 or 40 tensors in a fixed number of ops and leaves the
+# norm on the device: no host read at all.
 assert stock_many.count >= stock_few.count + 36, (stock_few.count, stock_many.count)
-assert fast_many.count == fast_few.count and fast_many.syncs == 1, (fast_few.count, fast_many.count)
+assert stock_few.syncs >= 1 and isinstance(clip_grads.get_grad_norm_fp32(few), float)
+assert fast_many.count == fast_few.count and fast_many.syncs == 0, (fast_few.count, fast_many.count)
+with speed_patches.fast_fallbacks():
+    on_device = clip_grads.get_grad_norm_fp32(few)
+assert isinstance(on_device, torch.Tensor) and on_device.shape == (1,) and on_device.dtype == torch.float32
 grads = few
 exact = exact_norm(grads)
 
-params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
-for p, t in zip(params, grads):
-    p.grad = t.clone()
-with speed_patches.fast_fallbacks():
-    clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=exact)
-for p, t in zip(params, grads):
-    torch.testing.assert_close(p.grad, t * (1.0 / (exact + 1e-6)))
+for total_norm in (exact, torch.tensor([exact])):  # a host number, and the norm left on the device
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+    for p, t in zip(params, grads):
+        p.grad = t.clone()
+    with speed_patches.fast_fallbacks(), Ops() as ops:
+        clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=total_norm)
+    assert ops.syncs == 0
+    for p, t in zip(params, grads):
+        torch.testing.assert_close(p.grad, t * (1.0 / (exact + 1e-6)))
 assert clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm"  # restored on exit
 
 class Opt:
@@ -156,8 +163,8 @@ assert opt.step() == "foreach_l2_norm" and clip_grads.l2_norm_impl.__name__ == "
 
 def test_fast_fallbacks_same_values_one_host_sync_and_scoped_to_our_step():
     """Megatron's no-Apex grad-norm reads every per-tensor norm back to the host; inside our optimizer's
-    step the foreach replacement gives the same norm with one read (the final ``.item()``), clips in place,
-    and leaves Megatron's own functions in place everywhere else."""
+    step the foreach replacement gives the same norm as a device tensor with no read at all, clips in place
+    by a host or a device norm, and leaves Megatron's own functions in place everywhere else."""
     from tests._dist import free_port
 
     result = _run(FAST_FALLBACKS.format(port=free_port()))

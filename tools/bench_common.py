@@ -169,7 +169,7 @@ def training_step_fn(chunks: list, optimizer, vocab_size: int, seq: int, micro_b
         for c in chunks:
             c.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(chunks, batch, seq, micro_batch)
+        forward_backward(chunks, batch, seq, micro_batch, read_loss=False)  # as launch/train.py: read when logged
         optimizer.step()
         if after_step is not None:
             after_step(chunks)

@@ -21,10 +21,14 @@ Variants (``--variants``, default all):
 * ``ours_base_16k`` / ``ours_full_16k``: the same at sequence 16384, micro-batch
   ``--long-micro-batch`` (default 1: at 2 the static ~63 GB of weights, grads and AdamW state plus
   4x the 4k activations would not fit in one H200's 139 GB);
-* ``ours_full+graph`` / ``ours_full_16k+graph`` (A/B only, not in the default list): the ours_full
-  row with its capacity routing replayed from CUDA graphs (``--qb-cuda-graph`` for that row alone).
-  A name may repeat: ``--variants ours_full_16k,ours_full_16k+graph,ours_full_16k,ours_full_16k+graph``
+* ``ours_full+eager`` / ``ours_full_16k+eager`` (A/B only, not in the default list): the ours_full row with
+  HybridConfig's capacity-routing defaults (host reads on, no CUDA graphs) whatever ``--qb-cuda-graph`` says.
+  A name may repeat: ``--variants ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager``
   is an ABAB comparison in one process.
+
+The ours_full rows' capacity routing (``--qb-cuda-graph``, default ``auto``): on one GPU it runs without host
+reads and is replayed from CUDA graphs (``moe_qb_host_reads: false``, ``moe_qb_cuda_graph: true``: the
+fastest layout measured, 214.8 vs 242.6/250.8 ms at 16k on 2026-12-02); on two GPUs, HybridConfig's defaults.
 
 Model FLOPs per token come from ``megatron_ext/flops.py`` for every row (the stock row is counted
 with ``ours_base``'s config: same layers, same formula); docs/e2e.md writes the formula out.
@@ -56,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
 
 VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
-GRAPH_SUFFIX = "+graph"  # the same row with moe_qb_cuda_graph on (and host reads off) for that row only
-GRAPH_VARIANTS = ("ours_full" + GRAPH_SUFFIX, "ours_full_16k" + GRAPH_SUFFIX)
+EAGER_SUFFIX = "+eager"  # the same row with HybridConfig's capacity-routing defaults, for that row only
+EAGER_VARIANTS = ("ours_full" + EAGER_SUFFIX, "ours_full_16k" + EAGER_SUFFIX)
 DEFAULT_OUT = "docs/bench/e2e-h200.json"
 GPU_SIZES = dict(
     model=dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=64,
@@ -92,13 +96,13 @@ def parse_args(argv=None):
     p.add_argument("--qb-host-reads", choices=("on", "off"), default=None,
                    help="moe_qb_host_reads of the ours_full rows (default: HybridConfig's); off: capacity routing "
                         "without host syncs, 1 + moe_qb_device_rounds rounds")
-    p.add_argument("--qb-cuda-graph", action="store_true",
+    p.add_argument("--qb-cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="the ours_full rows' capacity routing replayed from CUDA graphs (moe_qb_cuda_graph; implies "
-                        "--qb-host-reads off)")
+                        "--qb-host-reads off); auto (default): on with one GPU, off with more")
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps of every row (default: off, as in training's "
                         "manual_gc; a full collection took ~240 ms)")
-    p.add_argument("--profile", default=None, metavar="NAME", choices=VARIANTS + GRAPH_VARIANTS,
+    p.add_argument("--profile", default=None, metavar="NAME", choices=VARIANTS + EAGER_VARIANTS,
                    help="instead of timing: profile a few steps of NAME, write its top-20 kernels as markdown")
     p.add_argument("--profile-out", default=None, help="markdown path (default docs/profile-NAME.md)")
     p.add_argument("--profile-trace", default=None, help="also export the Chrome trace here")
@@ -111,15 +115,15 @@ def parse_args(argv=None):
         p.error("--steps must be >= 10 for GPU timings")
     args.variants = [v for v in args.variants.split(",") if v]
     args.qb_host_reads = None if args.qb_host_reads is None else args.qb_host_reads == "on"
-    if args.qb_cuda_graph:
+    if args.qb_cuda_graph == "on":
         if args.qb_host_reads:
             p.error("--qb-cuda-graph needs --qb-host-reads off (a CUDA graph cannot read the device)")
         args.qb_host_reads = False
-    bad = sorted(set(args.variants) - set(VARIANTS) - set(GRAPH_VARIANTS))
+    bad = sorted(set(args.variants) - set(VARIANTS) - set(EAGER_VARIANTS))
     if bad:
-        p.error(f"unknown variants {bad}; known: {', '.join(VARIANTS + GRAPH_VARIANTS)}")
-    if args.smoke and set(args.variants) & set(GRAPH_VARIANTS):
-        p.error(f"{sorted(GRAPH_VARIANTS)} need a CUDA GPU (CUDA graphs), not --smoke")
+        p.error(f"unknown variants {bad}; known: {', '.join(VARIANTS + EAGER_VARIANTS)}")
+    if args.smoke and args.qb_cuda_graph == "on":
+        p.error("--qb-cuda-graph on needs a CUDA GPU (CUDA graphs), not --smoke")
     if args.out is None and not args.smoke and args.profile is None:
         args.out = DEFAULT_OUT
     return args
@@ -128,7 +132,7 @@ def parse_args(argv=None):
 # --- Models --------------------------------------------------------------------------------------
 def variant_shape(name: str, sizes: dict) -> tuple[int, int]:
     """(sequence length, micro-batch) of a variant."""
-    if name.removesuffix(GRAPH_SUFFIX).endswith("_16k"):
+    if name.removesuffix(EAGER_SUFFIX).endswith("_16k"):
         return sizes["long_seq"], sizes["long_micro_batch"]
     return sizes["seq"], sizes["micro_batch"]
 
@@ -195,6 +199,15 @@ def build_stock_chunks(config, sizes: dict, seq: int, attention: str) -> list:
     return [model.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else model]
 
 
+def routing_layout(name: str, args, cuda: bool) -> tuple[bool | None, bool]:
+    """(moe_qb_host_reads, moe_qb_cuda_graph) of an ours_full row: see the module docstring."""
+    if name.endswith(EAGER_SUFFIX):
+        return None, False
+    graphed = args.qb_cuda_graph == "on" or (args.qb_cuda_graph == "auto" and cuda and dist.get_world_size() == 1
+                                              and args.qb_host_reads is not True)
+    return (False if graphed else args.qb_host_reads), graphed
+
+
 def variant_setup(name: str, args, cuda: bool):
     """(build_chunks, config, after_step, flops_config, seq, micro_batch) of one variant."""
     from megatron.core import parallel_state as ps
@@ -209,10 +222,9 @@ def variant_setup(name: str, args, cuda: bool):
         config = stock_config(sizes, cuda)
         return (lambda: build_stock_chunks(config, sizes, seq, args.stock_attention),
                 config, None, base, seq, micro_batch)
-    graphed = args.qb_cuda_graph or name.endswith(GRAPH_SUFFIX)
+    host_reads, graphed = routing_layout(name, args, cuda)
     config = ours_config(sizes, seq, techniques=name.startswith("ours_full"), cuda=cuda,
-                         qb_device_rounds=args.qb_device_rounds,
-                         qb_host_reads=False if graphed else args.qb_host_reads, qb_cuda_graph=graphed)
+                         qb_device_rounds=args.qb_device_rounds, qb_host_reads=host_reads, qb_cuda_graph=graphed)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def after_step(chunks):  # once per optimizer step, as launch/train.py does
@@ -245,6 +257,8 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
     try:
         bench_common.init_expert_parallel(seed=1234)
         build, config, after_step, flops_cfg, seq, micro_batch = variant_setup(name, args, cuda)
+        if name.startswith("ours_full"):
+            row["qb_host_reads"], row["qb_cuda_graph"] = config.moe_qb_host_reads, config.moe_qb_cuda_graph
         steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
         timing = bench_common.time_training_step(build, config, args.sizes["vocab"], seq, micro_batch,
                                                  warmup, steps, after_step=after_step, profiler=profiler,

@@ -43,15 +43,25 @@ def _check_betas(beta1, beta2) -> None:
         raise ValueError(f"betas must be in (0, 1), got ({beta1}, {beta2})")
 
 
+def _check_grad_scale(grad_scale, device) -> None:
+    if isinstance(grad_scale, torch.Tensor) and (
+            grad_scale.dtype != torch.float32 or grad_scale.numel() != 1 or grad_scale.device != device):
+        raise ValueError(f"a tensor grad_scale must be one fp32 element on {device}, got {grad_scale.dtype} "
+                         f"{tuple(grad_scale.shape)} on {grad_scale.device}")
+
+
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                 step: torch.Tensor, model_param: torch.Tensor | None, *, lr: float, beta1: float, beta2: float,
-                eps: float, weight_decay: float, grad_scale: float = 1.0, use_kernel: bool | None = None) -> None:
+                eps: float, weight_decay: float, grad_scale: float | torch.Tensor = 1.0,
+                use_kernel: bool | None = None) -> None:
     """Update ``param``, ``exp_avg``, ``exp_avg_sq`` (fp32, contiguous, same shape) in place from ``grad``
     (fp32, or bf16/fp16: widened to fp32 in the kernel, so a bf16 gradient gives the update of its exact fp32
-    copy while moving 2 bytes per element less) times ``grad_scale``, and write the result into
-    ``model_param`` (same shape, any float dtype) when given. ``use_kernel`` defaults to ``param.is_cuda``."""
+    copy while moving 2 bytes per element less) times ``grad_scale`` (a number, or a one-element fp32 tensor on
+    ``param``'s device that the kernel reads: no host sync), and write the result into ``model_param`` (same
+    shape, any float dtype) when given. ``use_kernel`` defaults to ``param.is_cuda``."""
     _check(param, grad, exp_avg, exp_avg_sq, step, model_param)
     _check_betas(beta1, beta2)
+    _check_grad_scale(grad_scale, param.device)
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
     if param.is_cuda if use_kernel is None else use_kernel:
         from kernels.adamw.fused import adamw_step
@@ -62,7 +72,7 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 
 
 def adamw_multi_step_(items: list, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                      grad_scale: float = 1.0, use_kernel: bool | None = None) -> None:
+                      grad_scale: float | torch.Tensor = 1.0, use_kernel: bool | None = None) -> None:
     """:func:`adamw_step_` for every ``(param, grad, exp_avg, exp_avg_sq, step, model_param)`` of ``items`` in
     one kernel launch. The items share one device, one gradient dtype and either all have a model copy (of one
     dtype) or none. The launch plan (a device table of the tensors' addresses) is built and checked the first
@@ -70,6 +80,7 @@ def adamw_multi_step_(items: list, *, lr: float, beta1: float, beta2: float, eps
     if not items:
         return
     _check_betas(beta1, beta2)
+    _check_grad_scale(grad_scale, items[0][0].device)
     kw = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
     if not (items[0][0].is_cuda if use_kernel is None else use_kernel):
         for item in items:

@@ -4,8 +4,9 @@ reads.
 
 Megatron's step without Apex/TE makes three passes for the same update: the clip scaling of the
 gradients, the optimizer kernel, and the master-to-model copy (42 bytes per parameter against 30 here).
-The clip coefficient comes in as ``grad_scale``; the bias corrections are computed from the device-side
-step count, so nothing is read back to the host.
+The clip coefficient comes in as ``grad_scale``: a number, or a one-element fp32 device tensor read by the
+kernel (Megatron's grad norm left on the device: no host sync between the norm and the update); the bias
+corrections are computed from the device-side step count, so nothing is read back to the host.
 
 Two launchers share the update (:func:`_update`): :func:`adamw_step` for one tensor (a large one: the
 compiler sees its pointers' 16-byte alignment and vectorises), and :func:`adamw_multi_step` for a list of
@@ -30,9 +31,10 @@ TABLE_COLUMNS = 7
 
 @triton.jit
 def _update(param, grad, exp_avg, exp_avg_sq, step, model_param, offs, ok, lr, beta1, beta2, eps, weight_decay,
-            grad_scale, HAS_MODEL: tl.constexpr):
+            grad_scale, HAS_MODEL: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr):
     p = tl.load(param + offs, mask=ok)
-    g = tl.load(grad + offs, mask=ok).to(tl.float32) * grad_scale  # exact widening: as an fp32 copy
+    scale = tl.load(grad_scale) if SCALE_IN_MEMORY else grad_scale
+    g = tl.load(grad + offs, mask=ok).to(tl.float32) * scale  # exact widening: as an fp32 copy
     m = tl.load(exp_avg + offs, mask=ok)
     v = tl.load(exp_avg_sq + offs, mask=ok)
     t = tl.load(step)
@@ -52,16 +54,17 @@ def _update(param, grad, exp_avg, exp_avg_sq, step, model_param, offs, ok, lr, b
 
 @triton.jit
 def adamw_step_kernel(param, grad, exp_avg, exp_avg_sq, step, model_param, n, lr, beta1, beta2, eps,
-                      weight_decay, grad_scale, HAS_MODEL: tl.constexpr, BLOCK: tl.constexpr):
+                      weight_decay, grad_scale, HAS_MODEL: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr,
+                      BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     _update(param, grad, exp_avg, exp_avg_sq, step, model_param, offs, offs < n, lr, beta1, beta2, eps,
-            weight_decay, grad_scale, HAS_MODEL)
+            weight_decay, grad_scale, HAS_MODEL, SCALE_IN_MEMORY)
 
 
 @triton.jit
 def adamw_multi_step_kernel(table, block_tensor, block_start, lr, beta1, beta2, eps, weight_decay, grad_scale,
                             GRAD_DTYPE: tl.constexpr, MODEL_DTYPE: tl.constexpr, HAS_MODEL: tl.constexpr,
-                            COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
+                            SCALE_IN_MEMORY: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     row = table + tl.load(block_tensor + pid).to(tl.int64) * COLUMNS
     start = tl.load(block_start + pid)
@@ -73,11 +76,13 @@ def adamw_multi_step_kernel(table, block_tensor, block_start, lr, beta1, beta2, 
     model_param = tl.load(row + 5).to(tl.pointer_type(MODEL_DTYPE))
     offs = start + tl.arange(0, BLOCK)
     _update(param, grad, exp_avg, exp_avg_sq, step, model_param, offs, offs < tl.load(row + 6), lr, beta1, beta2,
-            eps, weight_decay, grad_scale, HAS_MODEL)
+            eps, weight_decay, grad_scale, HAS_MODEL, SCALE_IN_MEMORY)
 
 
 def _scalars(lr, beta1, beta2, eps, weight_decay, grad_scale):
-    return float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), float(grad_scale)
+    """The kernels' scalar arguments; a tensor ``grad_scale`` goes as its pointer (``SCALE_IN_MEMORY``)."""
+    scale = grad_scale if isinstance(grad_scale, torch.Tensor) else float(grad_scale)
+    return float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), scale
 
 
 def adamw_step(param, grad, exp_avg, exp_avg_sq, step, model_param, *, lr, beta1, beta2, eps, weight_decay,
@@ -86,7 +91,8 @@ def adamw_step(param, grad, exp_avg, exp_avg_sq, step, model_param, *, lr, beta1
     adamw_step_kernel[(triton.cdiv(n, BLOCK),)](
         param, grad, exp_avg, exp_avg_sq, step, model_param if model_param is not None else param, n,
         *_scalars(lr, beta1, beta2, eps, weight_decay, grad_scale),
-        HAS_MODEL=model_param is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        HAS_MODEL=model_param is not None, SCALE_IN_MEMORY=isinstance(grad_scale, torch.Tensor), BLOCK=BLOCK,
+        num_warps=NUM_WARPS)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -127,4 +133,5 @@ def adamw_multi_step(plan: MultiStepPlan, *, lr, beta1, beta2, eps, weight_decay
     adamw_multi_step_kernel[(plan.block_start.numel(),)](
         plan.table, plan.block_tensor, plan.block_start, *_scalars(lr, beta1, beta2, eps, weight_decay, grad_scale),
         GRAD_DTYPE=plan.grad_dtype, MODEL_DTYPE=plan.model_dtype, HAS_MODEL=plan.has_model,
-        COLUMNS=TABLE_COLUMNS, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        SCALE_IN_MEMORY=isinstance(grad_scale, torch.Tensor), COLUMNS=TABLE_COLUMNS, BLOCK=BLOCK,
+        num_warps=NUM_WARPS)

@@ -9,7 +9,9 @@ def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, model_param, *,
     """In place, ``step`` already incremented (fp32 scalar tensor, as torch's fused AdamW keeps it):
     ``g = grad * grad_scale`` in fp32 (a bf16/fp16 ``grad`` is widened first, exactly); decoupled decay;
     moments; bias-corrected update; ``model_param`` (the low-precision copy the forward reads, or ``None``)
-    gets the new value rounded once."""
+    gets the new value rounded once. ``grad_scale``: a number or a one-element tensor."""
+    if isinstance(grad_scale, torch.Tensor):
+        grad_scale = grad_scale.reshape(())  # a [1] norm would widen a 0-d parameter's update
     g = grad.float() * grad_scale
     param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(g, 1 - beta1)

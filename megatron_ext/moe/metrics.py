@@ -13,9 +13,10 @@ per MoE layer (keyed by Megatron's global 1-based ``layer_number``):
   ``[E / EP]`` (what this rank's experts receive from its EP group) and
   ``global_tokens_per_expert`` ``[E]``.
 
-Training loop, once per optimizer step, on EVERY rank (the function runs collectives)::
+Training loop, once per optimizer step that logs, on EVERY rank (the function runs collectives and
+reads the counts to the host; the other steps call :func:`reset_moe_step_statistics`, which does neither)::
 
-    loss = forward_backward(chunks, microbatches, seq, mbs)
+    loss = forward_backward(chunks, microbatches, seq, mbs, read_loss=False)
     optimizer.step()
     moe = collect_moe_metrics(chunks, ps.get_expert_model_parallel_group(),
                               dp_group=<the group passed to update_expert_biases>,
@@ -40,7 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["MoELayerMetrics", "MoEStepMetrics", "collect_moe_metrics", "max_violation", "ep_load_factor"]
+__all__ = ["MoELayerMetrics", "MoEStepMetrics", "collect_moe_metrics", "reset_moe_step_statistics", "max_violation",
+           "ep_load_factor"]
 
 
 def max_violation(loads: torch.Tensor) -> float:
@@ -173,11 +175,18 @@ def collect_moe_metrics(model_chunks, ep_group: dist.ProcessGroup | None, dp_gro
                 local_tokens_per_expert=local[i, :num_experts].tolist(),
                 received_tokens_per_expert=ep_total[i, ep_rank * num_local:(ep_rank + 1) * num_local].tolist(),
             ))
-            if reset:
-                module.router.reset_step_statistics()
+    if reset:
+        reset_moe_step_statistics(model_chunks)
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         results = _gather_stages(results, pp_group)
     return MoEStepMetrics(sorted(results, key=lambda m: m.layer))
+
+
+def reset_moe_step_statistics(model_chunks) -> None:
+    """Zero every router's step sums without reading them (no collective, no host read): what a training step
+    that logs nothing does in place of :func:`collect_moe_metrics`."""
+    for module in _moe_layers(model_chunks):
+        module.router.reset_step_statistics()
 
 
 def _gather_stages(mine: list[MoELayerMetrics], pp_group) -> list[MoELayerMetrics]:

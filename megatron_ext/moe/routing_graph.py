@@ -11,11 +11,14 @@ outside the graph from the unbiased scores as :func:`capacity_routing` does.
 The graph reads ``bias`` where it lived at capture (the router's buffer, updated in place by the dual-bias
 step); a bias at another address, another shape or other settings captures another graph. The graphs of
 all routers share one memory pool per device: they run one at a time on the current stream and their
-outputs are copied out right after each replay.
+outputs are copied out right after each replay. A pool lives as long as the graphs in it: once every router
+holding graphs in it is gone (a model freed, as the benchmarks free one variant before building the next), the
+next capture starts a new pool (torch refuses to capture into a pool whose graphs were all destroyed).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -25,7 +28,17 @@ from megatron_ext.moe.quantile_routing import Routing, check_scores, gates_from_
 
 __all__ = ["CapacityRoutingGraphs"]
 
-_pools: dict = {}  # device -> graph memory pool shared by every router's graphs
+# device -> (graph memory pool, the CapacityRoutingGraphs holding graphs in it)
+_pools: dict[torch.device, tuple[tuple, weakref.WeakSet]] = {}
+
+
+def _shared_pool(device: torch.device, owner: "CapacityRoutingGraphs") -> tuple:
+    pool, owners = _pools.get(device, (None, None))
+    if not owners:  # first capture on this device, or every graph of the old pool is gone with its owner
+        pool, owners = torch.cuda.graph_pool_handle(), weakref.WeakSet()
+        _pools[device] = (pool, owners)
+    owners.add(owner)
+    return pool
 
 
 class _Graph(NamedTuple):
@@ -51,7 +64,8 @@ class CapacityRoutingGraphs:
                None if bias is None else bias.data_ptr())
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = _capture(scores, k, capacity_factor, bias, num_bins, device_rounds)
+            pool = _shared_pool(scores.device, self)
+            entry = self._graphs[key] = _capture(scores, k, capacity_factor, bias, num_bins, device_rounds, pool)
         entry.scores.copy_(scores.detach())
         entry.graph.replay()
         experts, dropped, rerouted, global_load = (t.clone() for t in entry.outputs)
@@ -60,7 +74,7 @@ class CapacityRoutingGraphs:
                        plain=False, num_kept=None)
 
 
-def _capture(scores, k, capacity_factor, bias, num_bins, device_rounds) -> _Graph:
+def _capture(scores, k, capacity_factor, bias, num_bins, device_rounds, pool) -> _Graph:
     static_scores = scores.detach().clone()
 
     def decide():
@@ -78,9 +92,6 @@ def _capture(scores, k, capacity_factor, bias, num_bins, device_rounds) -> _Grap
             decide()
         torch.cuda.current_stream(scores.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        pool = _pools.get(scores.device)
-        if pool is None:
-            pool = _pools[scores.device] = torch.cuda.graph_pool_handle()
         # thread_local: a data loader's pinning thread may use CUDA meanwhile; only this thread is captured
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = decide()

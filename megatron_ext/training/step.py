@@ -40,11 +40,14 @@ def forward_backward(
     seq_length: int,
     micro_batch_size: int,
     forward_only: bool = False,
-) -> float | None:
+    read_loss: bool = True,
+) -> float | torch.Tensor | None:
     """Run ``microbatches`` through the schedule for this layout; return the mean loss.
 
     The loss is the global-batch mean (averaged over data-parallel ranks), returned on the last
-    pipeline stage and ``None`` elsewhere.
+    pipeline stage and ``None`` elsewhere: a float, or with ``read_loss=False`` a 0-d device tensor that
+    the caller reads when it logs (reading it every step would make the host wait for the GPU there, so
+    the host could not queue the optimizer step while the backward still runs).
     """
     num_chunks = len(model_chunks)
     # Interleaved schedules take one iterator per model chunk; each walks the same microbatches.
@@ -62,4 +65,5 @@ def forward_backward(
         return None
     loss = torch.stack([d["lm loss"] for d in losses]).mean()
     torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
-    return float(loss) / ps.get_data_parallel_world_size()
+    world = ps.get_data_parallel_world_size()
+    return float(loss) / world if read_loss else loss / world

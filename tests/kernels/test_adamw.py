@@ -150,6 +150,29 @@ def test_multi_step_refuses_mixed_dtypes():
         adamw_multi_step_(items, **HYPER, use_kernel=True)
 
 
+@interpreter_case
+@pytest.mark.parametrize("use_kernel", [True, False])
+def test_grad_scale_in_a_tensor_equals_the_number(use_kernel):
+    """A one-element fp32 tensor ``grad_scale`` (Megatron's grad norm left on the device) gives bit for bit the
+    update of the same number, one tensor at a time and in one launch; a 0-d parameter keeps its shape."""
+    states = [make_state(n, seed=60 + i) for i, n in enumerate((1500, 3))]
+    number, in_tensor = 0.37, torch.tensor([0.37])
+    for state in states:
+        by_number = run(state, torch.float16, use_kernel, number)
+        by_tensor = run(state, torch.float16, use_kernel, in_tensor)
+        for a, b in zip(by_number, by_tensor):
+            for key in ("param", "exp_avg", "exp_avg_sq") if isinstance(a, dict) else (None,):
+                assert torch.equal(a[key], b[key]) if key else torch.equal(a, b), key
+    together, alone = (multi_items(states, torch.float32, torch.float16) for _ in range(2))
+    adamw_multi_step_(together, **HYPER, grad_scale=in_tensor, use_kernel=use_kernel)
+    adamw_multi_step_(alone, **HYPER, grad_scale=number, use_kernel=use_kernel)
+    for t, a in zip(together, alone):
+        assert all(torch.equal(t[j], a[j]) for j in (0, 2, 3, 5))
+    scalar = {k: v.reshape(()) if k != "step" else v for k, v in make_state(1, seed=70).items()}
+    moved, _ = run(scalar, None, use_kernel, in_tensor)
+    assert moved["param"].shape == () and not torch.equal(moved["param"], scalar["param"])
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_reference_equals_torch_adamw(weight_decay):
     """Three steps from a fresh state, gradients scaled like clipping would, against torch.optim.AdamW."""
@@ -185,6 +208,10 @@ def test_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="exp_avg must be fp32"):
         adamw_step_(state["param"], state["grad"], state["exp_avg"].bfloat16(), state["exp_avg_sq"], state["step"],
                     None, **HYPER)
+    for bad_scale in (torch.tensor([0.5], dtype=torch.float64), torch.tensor([0.5, 0.5])):
+        with pytest.raises(ValueError, match="a tensor grad_scale must be one fp32 element"):
+            adamw_step_(state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"], state["step"], None,
+                        **HYPER, grad_scale=bad_scale)
     with pytest.raises(ValueError, match="step must be an fp32 scalar"):
         adamw_step_(state["param"], state["grad"], state["exp_avg"], state["exp_avg_sq"], torch.tensor([1, 2]),
                     None, **HYPER)
@@ -196,6 +223,15 @@ def test_kernel_on_gpu_matches_reference():
     state = make_state(3_000_001, seed=9, device="cuda")
     ours, model = run(state, torch.bfloat16, True, 0.5)
     ref, model_ref = run(state, torch.bfloat16, False, 0.5)
+    scale = torch.tensor([0.5], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a device grad_scale is read by the kernel, not by the host
+    try:
+        by_tensor, _ = run(state, torch.bfloat16, True, scale)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(by_tensor[key], ours[key]), key
     for key in ("param", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(ours[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)
     assert (model.float() - model_ref.float()).abs().max() <= (model_ref.float().abs() * 2**-8).max()

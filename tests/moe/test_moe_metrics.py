@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_ext.moe.layer import MoELayer
-from megatron_ext.moe.metrics import collect_moe_metrics, ep_load_factor, max_violation
+from megatron_ext.moe.metrics import collect_moe_metrics, ep_load_factor, max_violation, reset_moe_step_statistics
 from tests._dist import run_distributed
 from tests.moe.test_moe_router import moe_config
 
@@ -81,6 +81,19 @@ def test_step_metrics_sum_the_microbatches_and_reset():
     assert scalars["moe/rerouted"] == m.rerouted
     assert int(layer.router.step_routed_counts.sum()) == 0  # reset for the next step
     assert collect_moe_metrics([layer], ep_group=None).layers[0].maxvio == 0.0
+
+
+def test_a_step_that_logs_nothing_resets_without_reading():
+    """The training loop collects metrics on logged steps only; the steps between call
+    reset_moe_step_statistics, so a logged step's metrics are its own microbatches', not the window's."""
+    layer = _layer(None)
+    _run_microbatches(layer, 3, seed=5)  # a step that logs nothing
+    assert int(layer.router.step_routed_counts.sum()) > 0
+    reset_moe_step_statistics([layer])
+    assert int(layer.router.step_routed_counts.sum()) == 0 and int(layer.router.step_dropped_rerouted.sum()) == 0
+    per_forward = _run_microbatches(layer, 2, seed=6)
+    got = collect_moe_metrics([layer], ep_group=None).layers[0]
+    assert got.local_tokens_per_expert == (per_forward[0][0] + per_forward[1][0]).tolist()
 
 
 def test_bias_statistics_and_tensorboard_calls():

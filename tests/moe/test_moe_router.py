@@ -270,3 +270,24 @@ def test_cuda_graph_capacity_routing_equals_eager_and_sees_the_bias_in_place():
     assert len(graphs._graphs) == 1  # one capture served every call
     for got_experts, expected_experts in kept:  # clones: later replays did not overwrite them
         assert torch.equal(got_experts, expected_experts)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_routing_captures_again_after_the_previous_model_is_freed():
+    """A benchmark frees one model (its routers' graphs) and builds the next: the next capture must not reuse
+    the dead pool (torch 2.11 asserted ``use_count > 0`` in the 2026-12-02 05:38 e2e run, and the failed capture
+    left the RNG in capture mode for the next model)."""
+    import gc
+
+    from megatron_ext.moe.routing_graph import CapacityRoutingGraphs
+    from tests.moe.test_quantile_capacity import skewed_scores
+
+    for seed in range(3):  # each round: a new owner after the old one and its graphs are gone
+        graphs = CapacityRoutingGraphs()
+        scores = skewed_scores(2048, 64, seed=seed, skew=0.5).cuda()
+        expected = capacity_routing(scores, 8, 1.0, bias=None, num_bins=256, device_rounds=2, host_reads=False)
+        got = graphs(scores, 8, 1.0, bias=None, num_bins=256, device_rounds=2)
+        assert torch.equal(got.experts, expected.experts) and torch.equal(got.gates, expected.gates), seed
+        del graphs, got
+        gc.collect()
+    torch.randn(4, device="cuda")  # the generator is usable outside capture

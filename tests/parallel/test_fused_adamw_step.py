@@ -5,6 +5,9 @@ main grads (read in place, no fp32 copy) the same update and grad norm as fp32 m
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from tests._dist import free_port
 
 SCRIPT = """
@@ -47,6 +50,8 @@ def train(fused, clip, grads="fp32", norms=None):
                     p.main_grad = p.main_grad.float()
         ok, norm, _ = opt.step()
         assert ok and (norm > 0 or clip == 0)  # Megatron reports no norm when not clipping
+        # the fused step's norm stays on the device (no host read); Megatron's own path reads it
+        assert isinstance(norm, torch.Tensor) == (fused and clip > 0), type(norm)
         if norms is not None:
             norms.append(norm)
         if grads == "bf16" and fused:  # read in place: no fp32 copy on the main params
@@ -124,5 +129,50 @@ print("ok")
 
 def test_fused_step_equals_megatrons_clip_adamw_and_copy():
     result = subprocess.run([sys.executable, "-c", SCRIPT.format(port=free_port())], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+GPU_SCRIPT = """
+import torch, torch.distributed as dist
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+ps.initialize_model_parallel(1, 1)
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+from megatron_ext import speed_patches
+
+g = torch.Generator().manual_seed(0)
+# a large tensor (its own launch) and small ones (one launch per list)
+params = [torch.nn.Parameter(torch.randn(*s, generator=g).bfloat16().cuda()) for s in ((4096, 1024), (33, 7), (5,))]
+inner = torch.optim.AdamW([dict(params=params, weight_decay=0.1, wd_mult=1.0)], lr=1e-2, betas=(0.9, 0.95))
+config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, clip_grad=0.5, params_dtype=torch.float32)
+opt = Float16OptimizerWithFloat16Params(inner, config, None, lambda *a, **k: None)
+assert speed_patches.use_fused_adamw_step(opt) == 1
+speed_patches.scoped_fast_fallbacks(opt)
+for step in range(3):
+    for p in params:
+        p.main_grad = (torch.randn(p.shape, generator=g) * 10).bfloat16().cuda()
+    before = [p.detach().clone() for p in params]
+    torch.cuda.synchronize()
+    # the first step builds the multi-tensor plan (a host -> device table); later ones must not read the device
+    torch.cuda.set_sync_debug_mode("error" if step else "default")
+    try:
+        ok, norm, _ = opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ok and isinstance(norm, torch.Tensor) and norm.is_cuda and float(norm) > 0.5, norm  # clipped
+    assert all(not torch.equal(a, p) for a, p in zip(before, params))
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_step_on_gpu_makes_no_host_sync():
+    """The whole ``optimizer.step()`` (grad norm, clip coefficient, AdamW launches) without reading the device:
+    the norm is returned as a device tensor and the kernels read the clip coefficient themselves."""
+    result = subprocess.run([sys.executable, "-c", GPU_SCRIPT.format(port=free_port())], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

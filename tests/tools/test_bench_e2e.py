@@ -79,18 +79,34 @@ def test_two_gpu_rows_get_their_scaling_efficiency(tmp_path):
     assert "scaling_efficiency" not in rows[("stock", 2)] and "scaling_efficiency" not in rows[("ours_base", 1)]
 
 
-def test_graph_rows_parse_with_repeats_and_only_on_the_gpu(capsys):
+def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(capsys, monkeypatch):
     import pytest
+    import torch.distributed as dist
 
-    from tools.bench_e2e import GPU_SIZES, parse_args, variant_shape
+    from tools.bench_e2e import GPU_SIZES, parse_args, routing_layout, variant_shape
 
-    args = parse_args(["--variants", "ours_full_16k,ours_full_16k+graph,ours_full_16k,ours_full_16k+graph"])
-    assert args.variants == ["ours_full_16k", "ours_full_16k+graph"] * 2  # ABAB stays in order
-    assert variant_shape("ours_full_16k+graph", GPU_SIZES) == variant_shape("ours_full_16k", GPU_SIZES)
-    assert variant_shape("ours_full+graph", GPU_SIZES) == (GPU_SIZES["seq"], GPU_SIZES["micro_batch"])
+    args = parse_args(["--variants", "ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager"])
+    assert args.variants == ["ours_full_16k", "ours_full_16k+eager"] * 2  # ABAB stays in order
+    assert variant_shape("ours_full_16k+eager", GPU_SIZES) == variant_shape("ours_full_16k", GPU_SIZES)
+    assert variant_shape("ours_full+eager", GPU_SIZES) == (GPU_SIZES["seq"], GPU_SIZES["micro_batch"])
     with pytest.raises(SystemExit):
-        parse_args(["--variants", "ours_base+graph"])  # the base rows have no capacity routing to graph
-    assert "unknown variants ['ours_base+graph']" in capsys.readouterr().err
+        parse_args(["--variants", "ours_base+eager"])  # the base rows have no capacity routing
+    assert "unknown variants ['ours_base+eager']" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse_args(["--smoke", "--variants", "ours_full+graph"])
-    assert "need a CUDA GPU" in capsys.readouterr().err
+        parse_args(["--smoke", "--qb-cuda-graph", "on"])
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--qb-cuda-graph", "on", "--qb-host-reads", "on"])
+
+    def layout(name, *flags, cuda=True):
+        return routing_layout(name, parse_args(list(flags)), cuda)
+
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)  # a one-GPU run
+    assert layout("ours_full_16k") == (False, True)  # auto: graphs on one GPU
+    assert layout("ours_full_16k", cuda=False) == (None, False)  # the CPU smoke run keeps the defaults
+    assert layout("ours_full_16k+eager") == (None, False)
+    assert layout("ours_full", "--qb-cuda-graph", "off") == (None, False)
+    assert layout("ours_full", "--qb-host-reads", "on") == (True, False)  # reads asked for: no graphs
+    assert layout("ours_full", "--qb-cuda-graph", "off", "--qb-host-reads", "off") == (False, False)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)  # EP2: HybridConfig's defaults
+    assert layout("ours_full_16k") == (None, False)

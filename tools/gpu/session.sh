@@ -2,7 +2,7 @@
 # One device-machine call that checks and times everything (see docs/benchmarks.md).
 # Usage on the GPU machine, from the repo root, with the cp312 wheels in .whl/:
 #   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-config,moe,routing,kda,
-#                                          e2e,e2e-graph,e2e2,profile (and moe2, rmsnorm)
+#                                          e2e,e2e-ab,e2e2,profile (and moe2, rmsnorm)
 # Each step has its own time limit, logs to $OUT/session.log and writes its JSON under $OUT.
 # Independent steps can share one call on a two-GPU machine, one track per GPU:
 #   bash tools/gpu/session.sh install
@@ -34,7 +34,7 @@ step() {  # step NAME SECONDS CMD...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG"
-step tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/kda tests/attn_res tests/tools
+step tests ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/kda tests/attn_res tests/tools ${TESTS_EXTRA:-tests/parallel/test_fused_adamw_step.py tests/test_grad_norm.py}
 step train ${TRAIN_LIMIT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_training.py ${TRAIN_FLAGS:-}
 step attnres ${ATTNRES_LIMIT:-150} python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
 # kernel layouts of tools/sweep_attnres_kernels.py as more models of the same interleaved rounds
@@ -51,10 +51,10 @@ step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-
 # expandable segments: the five variants of one process reuse memory of different shapes
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 step e2e ${E2E_LIMIT:-400} python3 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200.json"
-# ours_full_16k with and without its capacity routing replayed from CUDA graphs, ABAB in one process, beside
-# ours_base_16k (the criterion's other side)
-step e2e-graph ${E2E_LIMIT:-300} python3 tools/bench_e2e.py --out "$OUT/e2e-graph-h200.json" \
-  --variants ${E2E_GRAPH_VARIANTS:-ours_base_16k,ours_full_16k,ours_full_16k+graph,ours_full_16k,ours_full_16k+graph,ours_base_16k}
+# ours_full_16k as bench_e2e runs it (one GPU: capacity routing replayed from CUDA graphs) and with
+# HybridConfig's eager routing, ABAB in one process, beside ours_base_16k (the criterion's other side)
+step e2e-ab ${E2E_LIMIT:-300} python3 tools/bench_e2e.py --out "$OUT/e2e-ab-h200.json" \
+  --variants ${E2E_AB_VARIANTS:-ours_base_16k,ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager,ours_base_16k}
 step e2e2 ${E2E_LIMIT:-300} torchrun --standalone --nproc-per-node 2 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200x2.json"
 step profile 150 python3 tools/bench_e2e.py --profile ours_full --profile-out "$OUT/profile-ours_full.md"
 tail -n 60 "$LOG" | grep -E "^===|passed|failed|error|Error" | tail -40
