@@ -85,8 +85,8 @@ def parse_args(argv=None):
                    help="also time the AttnRes step with the depth-attention backward as on main (streaming kernel, "
                         "no paired backward), in the same process: attnres_main_backward_step_ms")
     p.add_argument("--ab-kernel", default="", metavar="NAMES",
-                   help="comma list of tools/sweep_attnres_kernels.py CONFIGS names: the AttnRes model with that kernel "
-                        "layout as one more model in the interleaved rounds (kernel_layouts)")
+                   help="comma list of tools/sweep_attnres_kernels.py CONFIGS names (or a+b: both changes): the AttnRes "
+                        "model with that kernel layout as one more model in the interleaved rounds (kernel_layouts)")
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps (default: off, as in training's manual_gc)")
     p.add_argument("--ab-adamw", action="store_true",
@@ -99,10 +99,12 @@ def parse_args(argv=None):
 
     known = dict(CONFIGS)
     args.ab_kernel = [name for name in args.ab_kernel.split(",") if name]
-    bad = [name for name in args.ab_kernel if name not in known]
+    bad = [part for name in args.ab_kernel for part in name.split("+") if part not in known]
     if bad:
         p.error(f"--ab-kernel: unknown layouts {bad}; known: {', '.join(known)}")
-    args.kernel_layouts = {name: known[name] for name in args.ab_kernel}
+    # a+b: both layouts' changes (a forward and a backward one together)
+    args.kernel_layouts = {name: {k: v for part in name.split("+") for k, v in known[part].items()}
+                           for name in args.ab_kernel}
     return args
 
 
