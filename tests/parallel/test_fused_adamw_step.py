@@ -151,9 +151,11 @@ config = OptimizerConfig(optimizer="adam", lr=1e-2, bf16=True, clip_grad=0.5, pa
 opt = Float16OptimizerWithFloat16Params(inner, config, None, lambda *a, **k: None)
 assert speed_patches.use_fused_adamw_step(opt) == 1
 speed_patches.scoped_fast_fallbacks(opt)
+for p in params:  # DDP's gradient buffer: the same storage every step (the multi-tensor plan is keyed on it)
+    p.main_grad = torch.empty_like(p)
 for step in range(3):
     for p in params:
-        p.main_grad = (torch.randn(p.shape, generator=g) * 10).bfloat16().cuda()
+        p.main_grad.copy_((torch.randn(p.shape, generator=g) * 10).bfloat16())
     before = [p.detach().clone() for p in params]
     torch.cuda.synchronize()
     # the first step builds the multi-tensor plan (a host -> device table); later ones must not read the device
