@@ -56,5 +56,5 @@ step e2e ${E2E_LIMIT:-400} python3 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT
 step e2e-ab ${E2E_LIMIT:-300} python3 tools/bench_e2e.py --out "$OUT/e2e-ab-h200.json" \
   --variants ${E2E_AB_VARIANTS:-ours_base_16k,ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager,ours_base_16k}
 step e2e2 ${E2E_LIMIT:-300} torchrun --standalone --nproc-per-node 2 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200x2.json"
-step profile 150 python3 tools/bench_e2e.py --profile ours_full --profile-out "$OUT/profile-ours_full.md"
+step profile ${PROFILE_LIMIT:-150} python3 tools/bench_e2e.py --profile ${PROFILE_VARIANT:-ours_full} --profile-out "$OUT/profile-${PROFILE_VARIANT:-ours_full}.md"
 tail -n 60 "$LOG" | grep -E "^===|passed|failed|error|Error" | tail -40
