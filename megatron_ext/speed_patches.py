@@ -311,8 +311,26 @@ def fast_fallbacks():
         mcore_optimizer.clip_grad_by_total_norm_fp32 = saved_clip
 
 
+def chained_grad_norm(chained):
+    """``ChainedOptimizer.get_grad_norm`` whose sub-optimizers keep their own grad-stats groups (the expert
+    optimizer's group differs from the dense one's, even on one GPU): Megatron combines their norms with
+    ``_grad_norm if _grad_norm else 0.0`` and ``math.sqrt``, three host reads a step; this is the same
+    ``sqrt(sum(norm ** 2))`` (a missing norm counts 0) on whatever the norms are, device tensors included."""
+    if len(chained.chained_optimizers) == 1 or chained.grads_states_parallel_group_is_shared():
+        return type(chained).get_grad_norm(chained)
+    total = 0.0
+    for optimizer in chained.chained_optimizers:
+        norm = optimizer.get_grad_norm()
+        if norm is not None:
+            total = total + norm**2
+    return total**0.5
+
+
 def scoped_fast_fallbacks(optimizer):
-    """Run ``optimizer.step`` (a Megatron optimizer instance) inside :func:`fast_fallbacks`."""
+    """Run ``optimizer.step`` (a Megatron optimizer instance) inside :func:`fast_fallbacks`; a chained one
+    combines its norms with :func:`chained_grad_norm`."""
+    if hasattr(optimizer, "chained_optimizers"):
+        optimizer.get_grad_norm = functools.partial(chained_grad_norm, optimizer)
     step = optimizer.step
 
     def step_with_fast_fallbacks(*args, **kwargs):

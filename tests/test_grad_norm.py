@@ -23,3 +23,34 @@ def test_foreach_l2_norm_of_bf16_grads_equals_their_fp32_copies(device):
     assert narrow.dtype == torch.float32 and torch.equal(narrow, wide), (narrow, wide)
     rounded, _ = foreach_l2_norm(2048, flag, [[g.float() for g in grads[:1]] + grads[1:]], False)  # mixed dtypes
     assert torch.equal(rounded, wide)
+
+
+def test_chained_grad_norm_equals_megatrons_without_reading_the_device():
+    """Sub-optimizers with their own grad-stats groups (EP's expert optimizer): the norms combined on the device
+    give Megatron's value (a missing or zero norm counts 0); a shared group or one optimizer is Megatron's path."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_ext.speed_patches import chained_grad_norm
+
+    class Reads(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Reads.count += func.overloadpacket.__name__ == "_local_scalar_dense"
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(5)
+    for norms in ([torch.rand(1, generator=gen) * 7, torch.rand(1, generator=gen)], [torch.rand(1, generator=gen), None],
+                  [3.0, torch.zeros(1)], [2.5, 1.5]):
+        subs = [SimpleNamespace(get_grad_norm=lambda n=n: n) for n in norms]
+        chained = SimpleNamespace(chained_optimizers=subs, grads_states_parallel_group_is_shared=lambda: False)
+        expected = ChainedOptimizer.get_grad_norm(chained)  # Megatron's: reads each tensor norm to the host
+        Reads.count = 0
+        with Reads():
+            got = chained_grad_norm(chained)
+        assert Reads.count == 0, norms
+        assert abs(float(got) - expected) <= 1e-6 * max(expected, 1.0), (norms, got, expected)
+        assert isinstance(got, torch.Tensor) == any(isinstance(n, torch.Tensor) for n in norms)
