@@ -7,8 +7,8 @@ gathered with ``torch.tensor(list)``: one host sync per parameter tensor) and ``
 (``dst.copy_(src * scale)``: an fp32 temporary per tensor when clipping), and the grad norm stays on the
 device (Megatron's own path when Transformer Engine's tensor-scale kernel exists: ``step`` returns the norm as
 a one-element tensor and nothing in the step reads the device). Same values (``tests/test_cpu_compat.py``,
-``tests/parallel/test_fused_adamw_step.py``); stock Megatron optimizers built elsewhere in the process keep Megatron's own
-path; with Apex or Transformer Engine present it does nothing.
+``tests/parallel/test_fused_adamw_step.py``); stock Megatron optimizers built elsewhere in the process keep
+Megatron's own path; with Apex or Transformer Engine present it does nothing.
 
 :func:`use_fused_adamw_step` goes further for Megatron's mixed-precision (non-distributed) optimizer: its
 ``step_with_ready_grads`` runs ``kernels.adamw`` (one pass per tensor: AdamW, the clip coefficient and the
@@ -73,7 +73,7 @@ def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
 # id -> main param of the optimizers on the fused AdamW step (weak: models built and freed in one process,
 # as the benchmarks do, must not stay alive through this table)
 _fused_main_params: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-_pending_clip: dict[int, float] = {}  # id(main param) -> clip coefficient of the step under way
+_pending_clip: dict[int, "float | torch.Tensor"] = {}  # id(main param) -> clip coefficient of the step under way
 
 
 def _clip_coefficient(max_norm, total_norm):

@@ -43,8 +43,8 @@ def test_chained_grad_norm_equals_megatrons_without_reading_the_device():
             return func(*args, **(kwargs or {}))
 
     gen = torch.Generator().manual_seed(5)
-    for norms in ([torch.rand(1, generator=gen) * 7, torch.rand(1, generator=gen)], [torch.rand(1, generator=gen), None],
-                  [3.0, torch.zeros(1)], [2.5, 1.5]):
+    draw = lambda: torch.rand(1, generator=gen)  # noqa: E731
+    for norms in ([draw() * 7, draw()], [draw(), None], [3.0, torch.zeros(1)], [2.5, 1.5]):
         subs = [SimpleNamespace(get_grad_norm=lambda n=n: n) for n in norms]
         chained = SimpleNamespace(chained_optimizers=subs, grads_states_parallel_group_is_shared=lambda: False)
         expected = ChainedOptimizer.get_grad_norm(chained)  # Megatron's: reads each tensor norm to the host
