@@ -16,6 +16,7 @@ from kernels.kda.intra import intra_fwd_kernel
 from kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
 from kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
 from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
+from kernels.kda.segmented import state_fwd_two_level
 
 CHUNK = 64
 # Launch configs (V tile BV, num_warps, num_stages). 4 warps everywhere but the output kernel: a one-knob sweep
@@ -28,6 +29,9 @@ INTRA_FWD_CONFIG = dict(BV=32, num_warps=4)
 # 256 of them; with fewer sequence-heads than that the walk needs the programs more (see state_config).
 STATE_CONFIG_WIDE = dict(BV=64, num_warps=4)
 STATE_CONFIG_NARROW = dict(BV=32, num_warps=4)
+# > 1: the forward walk in this many segments per sequence walked in parallel, then stitched
+# (kernels/kda/segmented.py), for few sequence-heads; 0: one walk per sequence. Opt-in, not yet run on a GPU.
+STATE_SEGMENTS = 0
 OUTPUT_CONFIG = dict(BV=64, num_warps=4)
 # gate cumsum + L2 norm of q and k: one tensor per program in 16-row blocks; 64 registers at 4 warps, so ~8
 # programs share an SM (memory bound: what matters is how many loads are in flight)
@@ -52,6 +56,7 @@ class ChunkMeta:
                 lens.append(min(CHUNK, eos - t0))
             seq_chunks.append(len(starts))
         self.chunk_start, self.chunk_len, self.seq_chunks = (_to_device(x, device) for x in (starts, lens, seq_chunks))
+        self.seq_chunks_host = tuple(seq_chunks)
         self.num_chunks, self.num_seqs = len(starts), len(cu_seqlens) - 1
 
 
@@ -131,13 +136,18 @@ def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
     intra_fwd_kernel[(meta.num_chunks, H)](q, k, v, beta, G, Mqk, Ainv, W, U0, meta.chunk_start,
                                            meta.chunk_len, scale, SAFE_GATE=safe_gate,
                                            KS=min(KS, opts["BK"]), **opts, **INTRA_FWD_CONFIG)
-    hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
-    U = torch.empty_like(U0)
-    ht = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-    state_cfg = state_config(meta.num_seqs, H, V, dev)
-    state_fwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
-        k, W, U0, G, h0 if h0 is not None else k, hbuf, U, ht if ht is not None else k, meta.seq_chunks,
-        meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts, **state_cfg)
+    if STATE_SEGMENTS > 1:
+        hbuf, U, ht = state_fwd_two_level(k, W, U0, G, h0, meta, STATE_SEGMENTS, opts, state_config,
+                                          output_final_state)
+    else:
+        hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
+        U = torch.empty_like(U0)
+        ht = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+        state_cfg = state_config(meta.num_seqs, H, V, dev)
+        state_fwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
+            k, W, U0, G, h0 if h0 is not None else k, hbuf, U, ht if ht is not None else k, meta.seq_chunks,
+            meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts,
+            **state_cfg)
     o = torch.empty_like(v)
     output_kernel[(triton.cdiv(V, OUTPUT_CONFIG["BV"]), meta.num_chunks, H)](
         q, G, hbuf, Mqk, U, o, meta.chunk_start, meta.chunk_len, scale, **opts, **OUTPUT_CONFIG)

@@ -13,10 +13,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 D = 128
 POINTER_FP32 = {"G", "Ainv", "A_log", "dt_bias", "h0", "ht", "dht", "dh0", "dq", "dk", "dxn", "dbeta_parts",
-                "dA_parts", "ddt_parts", "pq", "pk", "pG", "dlast"}
+                "dA_parts", "ddt_parts", "pq", "pk", "pG", "dlast", "starts"}
 INTS = {"H", "part_stride", "part_offset", "rows"}
 FLOATS = {"scale", "lower_bound", "eps"}
-INDEX = {"chunk_start", "chunk_len", "seq_chunks"}
+INDEX = {"chunk_start", "chunk_len", "seq_chunks", "chunk_segment"}
 
 
 def signature(kernel, constexprs):
@@ -39,6 +39,7 @@ def kernel_cases():
     from kernels.kda.intra import intra_fwd_kernel
     from kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
     from kernels.kda.l2norm import l2norm_bwd_kernel
+    from kernels.kda.segmented import CORRECT_CONFIG, correct_kernel
     from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
 
     dims = dict(K=D, V=D, BK=D, DOT_BF16=True)
@@ -48,6 +49,10 @@ def kernel_cases():
         "intra_fwd": (intra_fwd_kernel, dict(dims, SAFE_GATE=True, KS=chunk.KS), chunk.INTRA_FWD_CONFIG),
         "state_fwd": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), chunk.STATE_CONFIG_WIDE),
         "state_fwd_narrow": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), chunk.STATE_CONFIG_NARROW),
+        # the two-level walk (STATE_SEGMENTS): the walk over V + K columns, then the correction
+        "state_fwd_two_level": (state_fwd_kernel, dict(dims, V=2 * D, HAS_H0=True, STORE_FINAL=True),
+                                chunk.STATE_CONFIG_WIDE),
+        "correct": (correct_kernel, dict(K=D, V=D, BK=D), CORRECT_CONFIG),
         "output": (output_kernel, dims, chunk.OUTPUT_CONFIG),
         "state_bwd": (state_bwd_kernel, dict(dims, HAS_DHT=True, HAS_H0=True), chunk.STATE_CONFIG_WIDE),
         "state_bwd_narrow": (state_bwd_kernel, dict(dims, HAS_DHT=True, HAS_H0=True), chunk.STATE_CONFIG_NARROW),
@@ -64,10 +69,10 @@ def kernel_cases():
 # ones without spills (tools/sweep_kda_kernels.py); the bounds sit ~20% above what ptxas reports for them
 # (Triton 3.8) so that a change that spills more fails here.
 SPILL_ALLOWANCE: dict[str, int] = {"intra_fwd": 1300, "state_fwd": 1100, "state_bwd": 1600, "state_fwd_narrow": 160,
-                                   "state_bwd_narrow": 600, "inter_bwd": 80}
+                                   "state_fwd_two_level": 1100, "state_bwd_narrow": 600, "inter_bwd": 80}
 
-NAMES = ["gate_cumsum", "intra_fwd", "state_fwd", "state_fwd_narrow", "output", "state_bwd", "state_bwd_narrow",
-         "inter_bwd", "intra_bwd_dv", "intra_bwd_dqk", "gate_bwd", "l2norm_bwd"]
+NAMES = ["gate_cumsum", "intra_fwd", "state_fwd", "state_fwd_narrow", "state_fwd_two_level", "correct", "output",
+         "state_bwd", "state_bwd_narrow", "inter_bwd", "intra_bwd_dv", "intra_bwd_dqk", "gate_bwd", "l2norm_bwd"]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call that checks and times everything (see docs/benchmarks.md).
 # Usage on the GPU machine, from the repo root, with the cp312 wheels in .whl/:
-#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-config,moe,routing,kda,
+#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-config,moe,routing,kda,kda-sweep,
 #                                          e2e,e2e-ab,e2e2,profile (and moe2, rmsnorm)
 # Each step has its own time limit, logs to $OUT/session.log and writes its JSON under $OUT.
 # Independent steps can share one call on a two-GPU machine, one track per GPU:
@@ -48,6 +48,9 @@ step rmsnorm 60 python3 tools/bench_rms_norm.py --out "$OUT/rms-norm-h200.json"
 # TRITON_CACHE_DIR to a carried folder (e.g. .ab/tcache) and pack its *.autotune.json into $OUT to reuse them
 # in a later call (they hold configs, not timings; see docs/benchmarks.md, KDA kernels).
 step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-} --out "$OUT/kda-h200.json"
+# kernel-layout sweep of chunk.py constants at one shape (default: the e2e 16k layer and the two-level walk)
+step kda-sweep ${KDA_SWEEP_LIMIT:-240} python3 tools/sweep_kda_kernels.py --shape ${KDA_SWEEP_SHAPE:-1,16384,16,128} \
+  --only ${KDA_SWEEP_ONLY:-default,state-2level-4,state-2level-8,state-2level-16} --out "$OUT/kda-sweep-h200.json"
 # expandable segments: the five variants of one process reuse memory of different shapes
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 step e2e ${E2E_LIMIT:-400} python3 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200.json"
