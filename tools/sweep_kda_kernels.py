@@ -41,11 +41,12 @@ CONFIGS = [
     ("state-bv16-2w", {"STATE_CONFIG_WIDE": dict(BV=16, num_warps=2), "STATE_CONFIG_NARROW": dict(BV=16, num_warps=2)}),
     ("state-s2", {"STATE_CONFIG_WIDE": dict(num_stages=2), "STATE_CONFIG_NARROW": dict(num_stages=2)}),
     ("state-s4", {"STATE_CONFIG_WIDE": dict(num_stages=4), "STATE_CONFIG_NARROW": dict(num_stages=4)}),
-    # the two-level forward walk (kernels/kda/segmented.py): segments per sequence walked in parallel, then
-    # stitched; for few sequence-heads. Interpreter-tested against the one-level walk; not yet run on a GPU.
-    ("state-2level-4", {"STATE_SEGMENTS": 4}),
-    ("state-2level-8", {"STATE_SEGMENTS": 8}),
-    ("state-2level-16", {"STATE_SEGMENTS": 16}),
+    # the two-level state walks (kernels/kda/segmented.py): segments per sequence walked in parallel, then
+    # stitched; for few sequence-heads. Interpreter-tested against the one-level walks; not yet run on a GPU.
+    ("state-2level-4", {"STATE_SEGMENTS": 4, "STATE_BWD_SEGMENTS": 4}),
+    ("state-2level-8", {"STATE_SEGMENTS": 8, "STATE_BWD_SEGMENTS": 8}),
+    ("state-2level-16", {"STATE_SEGMENTS": 16, "STATE_BWD_SEGMENTS": 16}),
+    ("state-2level-fwd-8", {"STATE_SEGMENTS": 8}),
     ("dv-8w", {"DV_CONFIG": dict(num_warps=8)}),
     ("gatebwd-8w", {"GATE_BWD_CONFIG": dict(num_warps=8)}),
 ]

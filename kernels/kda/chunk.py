@@ -16,7 +16,7 @@ from kernels.kda.intra import intra_fwd_kernel
 from kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
 from kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
 from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
-from kernels.kda.segmented import state_fwd_two_level
+from kernels.kda.segmented import state_bwd_two_level, state_fwd_two_level
 
 CHUNK = 64
 # Launch configs (V tile BV, num_warps, num_stages). 4 warps everywhere but the output kernel: a one-knob sweep
@@ -29,9 +29,10 @@ INTRA_FWD_CONFIG = dict(BV=32, num_warps=4)
 # 256 of them; with fewer sequence-heads than that the walk needs the programs more (see state_config).
 STATE_CONFIG_WIDE = dict(BV=64, num_warps=4)
 STATE_CONFIG_NARROW = dict(BV=32, num_warps=4)
-# > 1: the forward walk in this many segments per sequence walked in parallel, then stitched
+# > 1: the forward (backward) walk in this many segments per sequence walked in parallel, then stitched
 # (kernels/kda/segmented.py), for few sequence-heads; 0: one walk per sequence. Opt-in, not yet run on a GPU.
 STATE_SEGMENTS = 0
+STATE_BWD_SEGMENTS = 0
 OUTPUT_CONFIG = dict(BV=64, num_warps=4)
 # gate cumsum + L2 norm of q and k: one tensor per program in 16-row blocks; 64 registers at 4 warps, so ~8
 # programs share an SM (memory bound: what matters is how many loads are in flight)
@@ -163,14 +164,18 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     V = v.shape[-1]
     dev = q.device
     opts = dict(H=H, K=K, V=V, BK=_block_k(K), DOT_BF16=q.dtype == torch.bfloat16)
-    dhbuf = torch.empty_like(hbuf)
-    dU = torch.empty_like(U)
-    dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-    state_cfg = state_config(meta.num_seqs, H, V, dev)
-    state_bwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
-        q, k, W, G, Mqk, do, dht if dht is not None else q, dhbuf, dU, dh0 if dh0 is not None else q,
-        meta.seq_chunks, meta.chunk_start, meta.chunk_len, scale, HAS_DHT=dht is not None,
-        HAS_H0=dh0 is not None, **opts, **state_cfg)
+    if STATE_BWD_SEGMENTS > 1:
+        dhbuf, dU, dh0 = state_bwd_two_level(q, k, W, G, Mqk, do, dht, meta, STATE_BWD_SEGMENTS, scale, opts,
+                                             state_config, h0 is not None)
+    else:
+        dhbuf = torch.empty_like(hbuf)
+        dU = torch.empty_like(U)
+        dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
+        state_cfg = state_config(meta.num_seqs, H, V, dev)
+        state_bwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
+            q, k, W, G, Mqk, do, dht if dht is not None else q, dhbuf, dU, dh0 if dh0 is not None else q,
+            meta.seq_chunks, meta.chunk_start, meta.chunk_len, scale, HAS_DHT=dht is not None,
+            HAS_H0=dh0 is not None, **opts, **state_cfg)
     f32 = dict(dtype=torch.float32, device=dev)
     block_kt = min(BKT, opts["BK"])
     num_kt = triton.cdiv(K, block_kt)

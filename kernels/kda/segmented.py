@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kda.state import load_chunk, state_fwd_kernel, state_offsets, store_chunk
+from kernels.kda.state import load_chunk, state_bwd_kernel, state_fwd_kernel, state_offsets, store_chunk
 
 # The correction's tiles: X_c [K, K] and the start state [K, BV] in fp32 registers. At K = 128, ptxas (sm_90):
 # 180 registers and no spills at BV 64 over 8 warps; 4 warps spill 120 bytes at BV 64 (254 registers at BV 32).
@@ -81,6 +81,43 @@ def correct_kernel(hbufx, Ux, starts, chunk_segment, hbuf, U, chunk_start, chunk
     store_chunk(U, u_local + tl.dot(u_identity, start), t0, n, h, H, V, v0, BV)
 
 
+def _zero_padded(x: torch.Tensor, K: int) -> torch.Tensor:
+    """[T, H, V] -> [T, H, V + K], the identity part's input columns zero."""
+    return torch.cat([x, x.new_zeros(*x.shape[:-1], K)], dim=-1)
+
+
+def _zero_and_identity(num_segs: int, H: int, K: int, V: int, device) -> torch.Tensor:
+    """Every segment's walk starts from [0 | I] (fp32 [num_segs, H, K, V + K])."""
+    init = torch.zeros(num_segs, H, K, V + K, dtype=torch.float32, device=device)
+    init[..., V:] = torch.eye(K, dtype=torch.float32, device=device)
+    return init
+
+
+def _stitch(ends, first, meta, segments, V, reverse):
+    """The state entering each segment ([num_segs, H, K, V] fp32; in walk order, backwards when ``reverse``),
+    chained from ``first`` (the sequences' initial state, or None: zero) through the segments' ``ends``
+    ([num_segs, H, K, V + K]: local end state, then the segment's product), and the state after the last."""
+    ends = ends.view(meta.num_seqs, segments, *ends.shape[1:])
+    state = (first.float() if first is not None
+             else torch.zeros(*ends.shape[:1], *ends.shape[2:-1], V, dtype=torch.float32, device=ends.device))
+    entering = torch.empty(*ends.shape[:-1], V, dtype=torch.float32, device=ends.device)
+    for g in reversed(range(segments)) if reverse else range(segments):
+        entering[:, g] = state
+        state = torch.matmul(ends[:, g, ..., V:], state) + ends[:, g, ..., :V]
+    return entering.flatten(0, 1), state
+
+
+def _correct(statex, ux, entering, chunk_segment, meta, K, V, BK):
+    """Per chunk: state and u from their local and identity parts and the segment's entering state."""
+    H = ux.shape[1]
+    states = torch.empty(meta.num_chunks, H, K, V, dtype=statex.dtype, device=statex.device)
+    u = torch.empty(*ux.shape[:-1], V, dtype=ux.dtype, device=ux.device)
+    correct_kernel[(triton.cdiv(V, CORRECT_CONFIG["BV"]), meta.num_chunks, H)](
+        statex, ux, entering, chunk_segment, states, u, meta.chunk_start, meta.chunk_len, H, K=K, V=V, BK=BK,
+        **CORRECT_CONFIG)
+    return states, u
+
+
 def state_fwd_two_level(k, W, U0, G, h0, meta, segments: int, opts: dict, state_config, store_final: bool):
     """``state_fwd_kernel``'s results (per-chunk states ``hbuf``, ``U``, the final state or None) by the
     two-level walk above. ``opts``: the walk's shape constants (H, K, V, BK, DOT_BF16); ``state_config``:
@@ -90,27 +127,38 @@ def state_fwd_two_level(k, W, U0, G, h0, meta, segments: int, opts: dict, state_
     dev, dt = k.device, U0.dtype
     num_segs = meta.num_seqs * segments
     seg_chunks, chunk_segment = segment_layout(meta, segments, dev)
-    U0x = torch.cat([U0, U0.new_zeros(T, H, K)], dim=-1)
-    h0x = torch.zeros(num_segs, H, K, V + K, dtype=torch.float32, device=dev)
-    h0x[..., V:] = torch.eye(K, dtype=torch.float32, device=dev)
+    U0x = _zero_padded(U0, K)
     hbufx = torch.empty(meta.num_chunks, H, K, V + K, dtype=dt, device=dev)
     Ux = torch.empty_like(U0x)
-    htx = torch.empty(num_segs, H, K, V + K, dtype=torch.float32, device=dev)
-    wide = {**opts, "V": V + K}
+    ends = torch.empty(num_segs, H, K, V + K, dtype=torch.float32, device=dev)
     cfg = state_config(num_segs, H, V + K, dev)
     state_fwd_kernel[(triton.cdiv(V + K, cfg["BV"]), num_segs * H)](
-        k, W, U0x, G, h0x, hbufx, Ux, htx, seg_chunks, meta.chunk_start, meta.chunk_len, HAS_H0=True,
-        STORE_FINAL=True, **wide, **cfg)
-    ends = htx.view(meta.num_seqs, segments, H, K, V + K)
-    state = (h0.float() if h0 is not None
-             else torch.zeros(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev))
-    starts = torch.empty(meta.num_seqs, segments, H, K, V, dtype=torch.float32, device=dev)
-    for g in range(segments):
-        starts[:, g] = state
-        state = torch.matmul(ends[:, g, ..., V:], state) + ends[:, g, ..., :V]
-    hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
-    U = torch.empty_like(U0)
-    correct_kernel[(triton.cdiv(V, CORRECT_CONFIG["BV"]), meta.num_chunks, H)](
-        hbufx, Ux, starts, chunk_segment, hbuf, U, meta.chunk_start, meta.chunk_len, H, K=K, V=V, BK=opts["BK"],
-        **CORRECT_CONFIG)
-    return hbuf, U, (state if store_final else None)
+        k, W, U0x, G, _zero_and_identity(num_segs, H, K, V, dev), hbufx, Ux, ends, seg_chunks, meta.chunk_start,
+        meta.chunk_len, HAS_H0=True, STORE_FINAL=True, **{**opts, "V": V + K}, **cfg)
+    entering, final = _stitch(ends, h0, meta, segments, V, reverse=False)
+    hbuf, U = _correct(hbufx, Ux, entering, chunk_segment, meta, K, V, opts["BK"])
+    return hbuf, U, (final if store_final else None)
+
+
+def state_bwd_two_level(q, k, W, G, Mqk, do, dht, meta, segments: int, scale, opts: dict, state_config,
+                        need_dh0: bool):
+    """``state_bwd_kernel``'s results (per-chunk ``dhbuf``, ``dU``, ``dh0`` or None) by the two-level walk: the
+    reverse walk is affine in dS too (``dS_prev = M_c^T dS + B'_c``), so the segments walk backwards from
+    [0 | I] with the identity columns' ``dO`` zero, are chained from the last segment, and corrected as the
+    forward is."""
+    T, H, K = q.shape
+    V = do.shape[-1]
+    dev = q.device
+    num_segs = meta.num_seqs * segments
+    seg_chunks, chunk_segment = segment_layout(meta, segments, dev)
+    dOx = _zero_padded(do, K)
+    dhbufx = torch.empty(meta.num_chunks, H, K, V + K, dtype=W.dtype, device=dev)
+    dUx = torch.empty(T, H, V + K, dtype=W.dtype, device=dev)
+    ends = torch.empty(num_segs, H, K, V + K, dtype=torch.float32, device=dev)
+    cfg = state_config(num_segs, H, V + K, dev)
+    state_bwd_kernel[(triton.cdiv(V + K, cfg["BV"]), num_segs * H)](
+        q, k, W, G, Mqk, dOx, _zero_and_identity(num_segs, H, K, V, dev), dhbufx, dUx, ends, seg_chunks,
+        meta.chunk_start, meta.chunk_len, scale, HAS_DHT=True, HAS_H0=True, **{**opts, "V": V + K}, **cfg)
+    entering, dh0 = _stitch(ends, dht, meta, segments, V, reverse=True)
+    dhbuf, dU = _correct(dhbufx, dUx, entering, chunk_segment, meta, K, V, opts["BK"])
+    return dhbuf, dU, (dh0 if need_dh0 else None)

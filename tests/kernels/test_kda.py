@@ -110,9 +110,10 @@ def test_precomputed_gate_varlen():
 @interpreter_case
 @pytest.mark.parametrize("segments,case", [(3, "lower_bound"), (2, "saturated_without_h0")])
 def test_two_level_state_walk_equals_the_one_level_walk(segments, case, monkeypatch):
-    """``STATE_SEGMENTS`` (kernels/kda/segmented.py): sequences of 6 chunks (segments of 2 or 3 chunks), 1 chunk
-    (empty segments: identity steps) and 3 chunks give the one-level walk's outputs, final states and
-    gradients, and match the reference; with every g at the bound and no initial state too."""
+    """``STATE_SEGMENTS`` / ``STATE_BWD_SEGMENTS`` (kernels/kda/segmented.py): sequences of 6 chunks (segments of 2
+    or 3 chunks), 1 chunk (empty segments: identity steps) and 3 chunks give the one-level walks' outputs,
+    final states and gradients (dh0 included), and match the reference; with every g at the bound and no
+    initial state too."""
     import kernels.kda.chunk as chunk
 
     x = make_inputs(1, 520, 2, 32, 32, N=3, seed=8)
@@ -124,6 +125,7 @@ def test_two_level_state_walk_equals_the_one_level_walk(segments, case, monkeypa
         kwargs.update(safe_gate=True, with_h0=False)
     one = run_pair(x, gate, **kwargs)[0]
     monkeypatch.setattr(chunk, "STATE_SEGMENTS", segments)
+    monkeypatch.setattr(chunk, "STATE_BWD_SEGMENTS", segments)
     two, reference = run_pair(x, gate, **kwargs)
     assert rel_err(two[0], one[0]) < 1e-5 and rel_err(two[1], one[1]) < 1e-5
     assert set(two[2]) == set(one[2]) and all(rel_err(two[2][n], one[2][n]) < 1e-5 for n in one[2])
@@ -211,7 +213,8 @@ def test_bf16_on_gpu_matches_fp32_reference(gate, head_dim):
 @pytest.mark.gpu
 @pytest.mark.parametrize("segments", [4, 16])
 def test_bf16_two_level_walk_on_gpu_matches_the_fp32_reference(segments, monkeypatch):
-    """STATE_SEGMENTS in bf16 on the GPU, D = 128 (the compiled walk over V + K columns and the correction):
+    """STATE_SEGMENTS / STATE_BWD_SEGMENTS in bf16 on the GPU, D = 128 (the compiled walks over V + K columns
+    and the correction):
     within the one-level walk's bf16 error of the fp32 reference; varlen with a sequence shorter than the
     segment count."""
     import kernels.kda.chunk as chunk
@@ -220,6 +223,7 @@ def test_bf16_two_level_walk_on_gpu_matches_the_fp32_reference(segments, monkeyp
     cu = torch.tensor([0, 2100, 2150, 3000], device="cuda")
     one = run_pair(x, "lower_bound", dtype=torch.bfloat16, cu_seqlens=cu)
     monkeypatch.setattr(chunk, "STATE_SEGMENTS", segments)
+    monkeypatch.setattr(chunk, "STATE_BWD_SEGMENTS", segments)
     two = run_pair(x, "lower_bound", dtype=torch.bfloat16, cu_seqlens=cu)
     assert_match(two, 1e-2, ("q", "k", "v", "beta", "h0"))
     (o1, s1, _), (o2, s2, _) = one[0], two[0]
