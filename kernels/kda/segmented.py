@@ -1,4 +1,4 @@
-"""Two-level forward state walk, for few sequence-heads (opt-in: ``chunk.STATE_SEGMENTS``).
+"""Two-level state walks, for few sequence-heads (opt-in: ``chunk.STATE_SEGMENTS``, ``chunk.STATE_BWD_SEGMENTS``).
 
 The one-level walk (``state.state_fwd_kernel``) runs one program per (V tile, sequence, head) through all of
 a sequence's chunks in order. At the end-to-end layer's shape (B1 T16384 H16) that is 32-64 programs on 132
@@ -23,7 +23,8 @@ dtype, as the one-level walk stores its states), so the output kernel and the ba
 sequence with fewer chunks than ``segments`` gets empty segments: their walk stores its initial [0 | I],
 i.e. ``E = 0``, ``X_end = I``, an identity step. Cost: twice the walked columns (V + K instead of V) over
 ``segments`` times shorter chains, a [T, H, V + K] copy of ``u0`` and the correction (2 T H K V + chunks H
-2 K^2 V FLOPs).
+2 K^2 V FLOPs). The backward's reverse walk (``dS_prev = M_c^T dS + B'_c``, storing ``dS`` and ``du``) is split
+the same way (:func:`state_bwd_two_level`), its segments chained from the last one.
 """
 
 from __future__ import annotations
