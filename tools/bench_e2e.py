@@ -21,10 +21,12 @@ Variants (``--variants``, default all):
 * ``ours_base_16k`` / ``ours_full_16k``: the same at sequence 16384, micro-batch
   ``--long-micro-batch`` (default 1: at 2 the static ~63 GB of weights, grads and AdamW state plus
   4x the 4k activations would not fit in one H200's 139 GB);
-* ``ours_full+eager`` / ``ours_full_16k+eager`` (A/B only, not in the default list): the ours_full row with
-  HybridConfig's capacity-routing defaults (host reads on, no CUDA graphs) whatever ``--qb-cuda-graph`` says.
-  A name may repeat: ``--variants ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager``
-  is an ABAB comparison in one process.
+* A/B rows, not in the default list: ``NAME+eager`` (an ours_full row with HybridConfig's capacity-routing
+  defaults, host reads on and no CUDA graphs, whatever ``--qb-cuda-graph`` says) and ``NAME@LAYOUT`` (an
+  ours_full row with a ``tools/sweep_kda_kernels.py`` layout of the KDA kernels in force while it runs, e.g.
+  ``ours_full_16k@state-2level-8``); both may combine (``ours_full_16k+eager@state-2level-8``). A name may
+  repeat: ``--variants ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager`` is an ABAB
+  comparison in one process.
 
 The ours_full rows' capacity routing (``--qb-cuda-graph``, default ``auto``): on one GPU it runs without host
 reads and is replayed from CUDA graphs (``moe_qb_host_reads: false``, ``moe_qb_cuda_graph: true``: the
@@ -45,6 +47,7 @@ recorded with its error and the others still run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -61,7 +64,6 @@ from tools import bench_common  # noqa: E402
 
 VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
 EAGER_SUFFIX = "+eager"  # the same row with HybridConfig's capacity-routing defaults, for that row only
-EAGER_VARIANTS = ("ours_full" + EAGER_SUFFIX, "ours_full_16k" + EAGER_SUFFIX)
 DEFAULT_OUT = "docs/bench/e2e-h200.json"
 GPU_SIZES = dict(
     model=dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=64,
@@ -76,6 +78,43 @@ SMOKE_SIZES = dict(
 CAPACITY_FACTOR = 1.25
 STOCK_AUX_LOSS = 1e-2
 PROFILE_ACTIVE_STEPS = 3
+
+
+def split_variant(name: str) -> tuple[str, bool, str | None]:
+    """``base[+eager][@layout]`` -> (base row, eager routing, KDA kernel layout or None)."""
+    base, _, layout = name.partition("@")
+    return base.removesuffix(EAGER_SUFFIX), base.endswith(EAGER_SUFFIX), layout or None
+
+
+def variant_problem(name: str) -> str | None:
+    """Why ``name`` is not a row this script knows (None when it is)."""
+    base, eager, layout = split_variant(name)
+    if base not in VARIANTS:
+        return f"unknown row {base!r}; known: {', '.join(VARIANTS)}"
+    if (eager or layout) and not base.startswith("ours_full"):
+        return "+eager and @layout apply to the ours_full rows (capacity routing, KDA) only"
+    if layout is not None:
+        from tools.sweep_kda_kernels import CONFIGS
+
+        if layout not in dict(CONFIGS):
+            return f"unknown KDA layout {layout!r}; known: {', '.join(dict(CONFIGS))}"
+    return None
+
+
+@contextlib.contextmanager
+def kda_layout(name: str):
+    """The row's KDA kernel layout (``@layout``) in force inside, chunk.py's constants restored after."""
+    layout = split_variant(name)[2]
+    if layout is None:
+        yield
+        return
+    from tools.sweep_kda_kernels import CONFIGS, apply
+
+    saved = apply(dict(CONFIGS)[layout])
+    try:
+        yield
+    finally:
+        apply(saved)
 
 
 def parse_args(argv=None):
@@ -102,7 +141,7 @@ def parse_args(argv=None):
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps of every row (default: off, as in training's "
                         "manual_gc; a full collection took ~240 ms)")
-    p.add_argument("--profile", default=None, metavar="NAME", choices=VARIANTS + EAGER_VARIANTS,
+    p.add_argument("--profile", default=None, metavar="NAME",
                    help="instead of timing: profile a few steps of NAME, write its top-20 kernels as markdown")
     p.add_argument("--profile-out", default=None, help="markdown path (default docs/profile-NAME.md)")
     p.add_argument("--profile-trace", default=None, help="also export the Chrome trace here")
@@ -119,9 +158,10 @@ def parse_args(argv=None):
         if args.qb_host_reads:
             p.error("--qb-cuda-graph needs --qb-host-reads off (a CUDA graph cannot read the device)")
         args.qb_host_reads = False
-    bad = sorted(set(args.variants) - set(VARIANTS) - set(EAGER_VARIANTS))
-    if bad:
-        p.error(f"unknown variants {bad}; known: {', '.join(VARIANTS + EAGER_VARIANTS)}")
+    for name in args.variants + ([args.profile] if args.profile else []):
+        problem = variant_problem(name)
+        if problem:
+            p.error(f"variant {name!r}: {problem}")
     if args.smoke and args.qb_cuda_graph == "on":
         p.error("--qb-cuda-graph on needs a CUDA GPU (CUDA graphs), not --smoke")
     if args.out is None and not args.smoke and args.profile is None:
@@ -132,7 +172,7 @@ def parse_args(argv=None):
 # --- Models --------------------------------------------------------------------------------------
 def variant_shape(name: str, sizes: dict) -> tuple[int, int]:
     """(sequence length, micro-batch) of a variant."""
-    if name.removesuffix(EAGER_SUFFIX).endswith("_16k"):
+    if split_variant(name)[0].endswith("_16k"):
         return sizes["long_seq"], sizes["long_micro_batch"]
     return sizes["seq"], sizes["micro_batch"]
 
@@ -201,7 +241,7 @@ def build_stock_chunks(config, sizes: dict, seq: int, attention: str) -> list:
 
 def routing_layout(name: str, args, cuda: bool) -> tuple[bool | None, bool]:
     """(moe_qb_host_reads, moe_qb_cuda_graph) of an ours_full row: see the module docstring."""
-    if name.endswith(EAGER_SUFFIX):
+    if split_variant(name)[1]:
         return None, False
     graphed = args.qb_cuda_graph == "on" or (args.qb_cuda_graph == "auto" and cuda and dist.get_world_size() == 1
                                               and args.qb_host_reads is not True)
@@ -217,13 +257,14 @@ def variant_setup(name: str, args, cuda: bool):
 
     sizes = args.sizes
     seq, micro_batch = variant_shape(name, sizes)
+    row_base = split_variant(name)[0]
     base = ours_config(sizes, seq, techniques=False, cuda=cuda)
-    if name == "stock":
+    if row_base == "stock":
         config = stock_config(sizes, cuda)
         return (lambda: build_stock_chunks(config, sizes, seq, args.stock_attention),
                 config, None, base, seq, micro_batch)
     host_reads, graphed = routing_layout(name, args, cuda)
-    config = ours_config(sizes, seq, techniques=name.startswith("ours_full"), cuda=cuda,
+    config = ours_config(sizes, seq, techniques=row_base.startswith("ours_full"), cuda=cuda,
                          qb_device_rounds=args.qb_device_rounds, qb_host_reads=host_reads, qb_cuda_graph=graphed)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
@@ -251,20 +292,22 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
 
     world = dist.get_world_size()
     seq, micro_batch = variant_shape(name, args.sizes)
+    base, _, layout = split_variant(name)
     row = {"name": name, "gpus": world, "seq": seq, "micro_batch": micro_batch}
-    if name == "stock":
+    if base == "stock":
         row["attention"] = "DotProductAttention" if args.stock_attention == "dpa" else "SDPA"
     try:
         bench_common.init_expert_parallel(seed=1234)
         build, config, after_step, flops_cfg, seq, micro_batch = variant_setup(name, args, cuda)
-        if name.startswith("ours_full"):
+        if base.startswith("ours_full"):
             row["qb_host_reads"], row["qb_cuda_graph"] = config.moe_qb_host_reads, config.moe_qb_cuda_graph
+            row["kda_layout"] = layout or "default"
         steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
-        timing = bench_common.time_training_step(build, config, args.sizes["vocab"], seq, micro_batch,
-                                                 warmup, steps, after_step=after_step, profiler=profiler,
-                                                 fast_step=name != "stock",
-                                                 main_grad_dtype="fp32" if name == "stock" else args.main_grad_dtype,
-                                                 manual_gc=not args.automatic_gc)
+        with kda_layout(name):
+            timing = bench_common.time_training_step(
+                build, config, args.sizes["vocab"], seq, micro_batch, warmup, steps, after_step=after_step,
+                profiler=profiler, fast_step=base != "stock",
+                main_grad_dtype="fp32" if base == "stock" else args.main_grad_dtype, manual_gc=not args.automatic_gc)
         flops_per_token = model_flops_per_token(flops_cfg, seq)
         tokens_per_sec = world * micro_batch * seq / (timing["step_ms"] / 1e3)
         tflops = flops_per_token * tokens_per_sec / world / 1e12  # per GPU

@@ -91,7 +91,13 @@ def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(
     assert variant_shape("ours_full+eager", GPU_SIZES) == (GPU_SIZES["seq"], GPU_SIZES["micro_batch"])
     with pytest.raises(SystemExit):
         parse_args(["--variants", "ours_base+eager"])  # the base rows have no capacity routing
-    assert "unknown variants ['ours_base+eager']" in capsys.readouterr().err
+    assert "apply to the ours_full rows" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "ours_full@no-such-layout"])
+    assert "unknown KDA layout 'no-such-layout'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "ours_ful"])
+    assert "unknown row 'ours_ful'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--smoke", "--qb-cuda-graph", "on"])
     assert "needs a CUDA GPU" in capsys.readouterr().err
@@ -110,3 +116,19 @@ def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(
     assert layout("ours_full", "--qb-cuda-graph", "off", "--qb-host-reads", "off") == (False, False)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)  # EP2: HybridConfig's defaults
     assert layout("ours_full_16k") == (None, False)
+
+
+def test_kda_layout_rows_apply_their_layout_inside_and_restore_it():
+    """``ours_full_16k@state-2level-8``: the sweep layout's chunk.py constants hold while that row runs only."""
+    import kernels.kda.chunk as chunk
+    from tools.bench_e2e import kda_layout, parse_args, split_variant
+
+    name = "ours_full_16k+eager@state-2level-8"
+    assert parse_args(["--variants", name]).variants == [name]
+    assert split_variant(name) == ("ours_full_16k", True, "state-2level-8")
+    before = (chunk.STATE_SEGMENTS, chunk.STATE_BWD_SEGMENTS)
+    with kda_layout(name):
+        assert (chunk.STATE_SEGMENTS, chunk.STATE_BWD_SEGMENTS) == (8, 8)
+    assert (chunk.STATE_SEGMENTS, chunk.STATE_BWD_SEGMENTS) == before
+    with kda_layout("ours_full_16k"):  # no layout: nothing changes
+        assert (chunk.STATE_SEGMENTS, chunk.STATE_BWD_SEGMENTS) == before
