@@ -101,20 +101,14 @@ def variant_problem(name: str) -> str | None:
     return None
 
 
-@contextlib.contextmanager
 def kda_layout(name: str):
-    """The row's KDA kernel layout (``@layout``) in force inside, chunk.py's constants restored after."""
+    """A context with the row's KDA kernel layout (``@layout``) in force, chunk.py's constants restored after."""
     layout = split_variant(name)[2]
     if layout is None:
-        yield
-        return
-    from tools.sweep_kda_kernels import CONFIGS, apply
+        return contextlib.nullcontext()
+    from tools.sweep_kda_kernels import CONFIGS, layout as kernel_layout
 
-    saved = apply(dict(CONFIGS)[layout])
-    try:
-        yield
-    finally:
-        apply(saved)
+    return kernel_layout(dict(CONFIGS)[layout])
 
 
 def parse_args(argv=None):

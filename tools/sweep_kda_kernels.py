@@ -13,6 +13,7 @@ a config found faster here must pass it before it becomes the default.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 
@@ -61,6 +62,16 @@ def apply(changes: dict) -> dict:
     return saved
 
 
+@contextlib.contextmanager
+def layout(changes: dict):
+    """chunk.py with ``changes`` applied inside the block (also used by ``bench_e2e``'s ``NAME@LAYOUT`` rows)."""
+    saved = apply(changes)
+    try:
+        yield
+    finally:
+        apply(saved)
+
+
 def fwd_bwd_outputs(x, do):
     for t in x.values():
         t.grad = None
@@ -85,25 +96,23 @@ def main():
     for name, changes in CONFIGS:
         if wanted is not None and name not in wanted and name != "default":
             continue
-        saved = apply(changes)
         try:
-            outs = fwd_bwd_outputs(x, do)
-            if reference is None:
-                reference = outs
-            err = {n: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-                   for n, a, b in zip(names, outs, reference)}
+            with layout(changes):
+                outs = fwd_bwd_outputs(x, do)
+                if reference is None:
+                    reference = outs
+                err = {n: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                       for n, a, b in zip(names, outs, reference)}
 
-            def fwdbwd():
-                call(chunk_kda, x, "lower_bound").backward(do)
+                def fwdbwd():
+                    call(chunk_kda, x, "lower_bound").backward(do)
 
-            ms = triton.testing.do_bench(fwdbwd, grad_to_none=list(x.values()), return_mode="median")
-            kernels = {k: round(v, 3) for k, v in kernel_breakdown(x, "lower_bound").items() if v > 0.05}
+                ms = triton.testing.do_bench(fwdbwd, grad_to_none=list(x.values()), return_mode="median")
+                kernels = {k: round(v, 3) for k, v in kernel_breakdown(x, "lower_bound").items() if v > 0.05}
             row = dict(config=name, changes=changes, fwdbwd_ms=ms, max_rel_diff=max(err.values()),
                        agrees=max(err.values()) <= args.tolerance, kernels_ms=kernels)
         except Exception as exc:  # a config that does not compile or crashes: reported, sweep goes on
             row = dict(config=name, changes=changes, error=f"{type(exc).__name__}: {str(exc)[:200]}")
-        finally:
-            apply(saved)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "kernels_ms"}), flush=True)
     base = rows[0].get("fwdbwd_ms")

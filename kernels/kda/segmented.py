@@ -29,6 +29,8 @@ the same way (:func:`state_bwd_two_level`), its segments chained from the last o
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -42,19 +44,21 @@ CORRECT_CONFIG = dict(BV=64, num_warps=8)
 
 def segment_layout(meta, segments: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(``seg_chunks`` [num_seqs * segments + 1]: first chunk of each segment, as the walk's ``seq_chunks``;
-    ``chunk_segment`` [num_chunks]: each chunk's segment), cached on ``meta`` per segment count."""
-    cache = meta.__dict__.setdefault("_segment_layouts", {})
-    if segments not in cache:
-        from kernels.kda.chunk import _to_device
+    ``chunk_segment`` [num_chunks]: each chunk's segment), built once per chunk layout and segment count."""
+    return _segment_layout(meta.seq_chunks_host, segments, device)
 
-        bounds, owner = [0], []
-        for s, (c0, c1) in enumerate(zip(meta.seq_chunks_host[:-1], meta.seq_chunks_host[1:])):
-            per = -(-(c1 - c0) // segments)  # ceil; the last segments may be short or empty
-            for g in range(segments):
-                bounds.append(c0 + min((g + 1) * per, c1 - c0))
-                owner.extend([s * segments + g] * (bounds[-1] - bounds[-2]))
-        cache[segments] = (_to_device(bounds, device), _to_device(owner, device))
-    return cache[segments]
+
+@functools.lru_cache(maxsize=32)
+def _segment_layout(seq_chunks: tuple[int, ...], segments: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    from kernels.kda.chunk import _to_device  # chunk imports this module
+
+    bounds, owner = [0], []
+    for s, (c0, c1) in enumerate(zip(seq_chunks[:-1], seq_chunks[1:])):
+        per = -(-(c1 - c0) // segments)  # ceil; the last segments may be short or empty
+        for g in range(segments):
+            bounds.append(c0 + min((g + 1) * per, c1 - c0))
+            owner.extend([s * segments + g] * (bounds[-1] - bounds[-2]))
+    return _to_device(bounds, device), _to_device(owner, device)
 
 
 @triton.jit
