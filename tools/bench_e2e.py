@@ -24,7 +24,7 @@ Variants (``--variants``, default all):
 * A/B rows, not in the default list: ``NAME+eager`` (an ours_full row with HybridConfig's capacity-routing
   defaults, host reads on and no CUDA graphs, whatever ``--qb-cuda-graph`` says) and ``NAME@LAYOUT`` (an
   ours_full row with a ``tools/sweep_kda_kernels.py`` layout of the KDA kernels in force while it runs, e.g.
-  ``ours_full_16k@state-2level-8``); both may combine (``ours_full_16k+eager@state-2level-8``). A name may
+  ``ours_full_16k@state-bv32``); both may combine (``ours_full_16k+eager@state-bv32``). A name may
   repeat: ``--variants ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager`` is an ABAB
   comparison in one process.
 

@@ -34,20 +34,12 @@ CONFIGS = [
     ("inter-bv64", {"INTER_BWD_CONFIG": dict(BV=64)}),
     ("dqk-bkt64", {"BKT": 64}),
     ("intra-8w", {"INTRA_FWD_CONFIG": dict(num_warps=8)}),
-    ("state-narrow", {"STATE_CONFIG_WIDE": dict(BV=32), "STATE_CONFIG_NARROW": dict(BV=32)}),
-    ("state-wide", {"STATE_CONFIG_WIDE": dict(BV=64), "STATE_CONFIG_NARROW": dict(BV=64)}),
-    ("state-8w", {"STATE_CONFIG_WIDE": dict(BV=32, num_warps=8), "STATE_CONFIG_NARROW": dict(BV=32, num_warps=8)}),
-    # the state walks at few sequence-heads (B1 T16384 H16, the e2e 16k layer: 64 programs at BV 32)
-    ("state-bv16", {"STATE_CONFIG_WIDE": dict(BV=16), "STATE_CONFIG_NARROW": dict(BV=16)}),
-    ("state-bv16-2w", {"STATE_CONFIG_WIDE": dict(BV=16, num_warps=2), "STATE_CONFIG_NARROW": dict(BV=16, num_warps=2)}),
-    ("state-s2", {"STATE_CONFIG_WIDE": dict(num_stages=2), "STATE_CONFIG_NARROW": dict(num_stages=2)}),
-    ("state-s4", {"STATE_CONFIG_WIDE": dict(num_stages=4), "STATE_CONFIG_NARROW": dict(num_stages=4)}),
-    # the two-level state walks (kernels/kda/segmented.py): segments per sequence walked in parallel, then
-    # stitched; for few sequence-heads. Interpreter-tested against the one-level walks; not yet run on a GPU.
-    ("state-2level-4", {"STATE_SEGMENTS": 4, "STATE_BWD_SEGMENTS": 4}),
-    ("state-2level-8", {"STATE_SEGMENTS": 8, "STATE_BWD_SEGMENTS": 8}),
-    ("state-2level-16", {"STATE_SEGMENTS": 16, "STATE_BWD_SEGMENTS": 16}),
-    ("state-2level-fwd-8", {"STATE_SEGMENTS": 8}),
+    # the state walks' V tile (chunk.state_config picks per shape), warps and stages
+    ("state-bv16", {"STATE_CONFIGS": (dict(BV=16, num_warps=4),)}),
+    ("state-bv32", {"STATE_CONFIGS": (dict(BV=32, num_warps=4),)}),
+    ("state-bv64", {"STATE_CONFIGS": (dict(BV=64, num_warps=4),)}),
+    ("state-8w", {"STATE_CONFIGS": tuple(dict(BV=bv, num_warps=8) for bv in (16, 32, 64))}),
+    ("state-s2", {"STATE_CONFIGS": tuple(dict(BV=bv, num_warps=4, num_stages=2) for bv in (16, 32, 64))}),
     ("dv-8w", {"DV_CONFIG": dict(num_warps=8)}),
     ("gatebwd-8w", {"GATE_BWD_CONFIG": dict(num_warps=8)}),
 ]

@@ -15,8 +15,7 @@ from kernels.kda.inter_bwd import inter_bwd_kernel
 from kernels.kda.intra import intra_fwd_kernel
 from kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
 from kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
-from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
-from kernels.kda.segmented import state_bwd_two_level, state_fwd_two_level
+from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel, walk_operands_kernel
 
 CHUNK = 64
 # Launch configs (V tile BV, num_warps, num_stages). 4 warps everywhere but the output kernel: a one-knob sweep
@@ -24,15 +23,13 @@ CHUNK = 64
 # 4-warp config faster than the 8-warp one it replaced although ptxas reports spills for intra_fwd and the
 # state walks at 4 warps (tests/kernels/test_kda_compile.py holds those spills to the measured configs).
 INTRA_FWD_CONFIG = dict(BV=32, num_warps=4)
-# The state walks: one program per (V tile, sequence, head), each walks its sequence's chunks in order. A
-# 64-wide V tile halves the programs and was faster (state_fwd 2.03 -> 1.09 ms, state_bwd 2.45 -> 1.64) with
-# 256 of them; with fewer sequence-heads than that the walk needs the programs more (see state_config).
-STATE_CONFIG_WIDE = dict(BV=64, num_warps=4)
-STATE_CONFIG_NARROW = dict(BV=32, num_warps=4)
-# > 1: the forward (backward) walk in this many segments per sequence walked in parallel, then stitched
-# (kernels/kda/segmented.py), for few sequence-heads; 0: one walk per sequence. Opt-in, not yet run on a GPU.
-STATE_SEGMENTS = 0
-STATE_BWD_SEGMENTS = 0
+# The state walks: one program per (V tile, sequence, head), each walks its sequence's chunks in order, one
+# chunk step after another (latency-bound). The narrowest tile that still fits the programs in one wave on the
+# SMs, else the widest (state_config). H200, B1 T16384 H16 (16 sequence-heads): BV 16 (128 programs) 0.65 +
+# 0.58 ms vs BV 32 0.70 + 0.61 (fwd + bwd walk); B2 T4096 H16: BV 32 (128 programs) 0.18 + 0.17 ms vs BV 16
+# (256) 0.21 + 0.29; B4 T8192 H32: BV 64 (256 programs) beat BV 32 (docs/bench/kda-sweep-walk-h200.json).
+STATE_CONFIGS = (dict(BV=16, num_warps=4), dict(BV=32, num_warps=4), dict(BV=64, num_warps=4))
+WALK_OPERANDS_CONFIG = dict(num_warps=8)  # 4 warps spill (ptxas, sm_90)
 OUTPUT_CONFIG = dict(BV=64, num_warps=4)
 # gate cumsum + L2 norm of q and k: one tensor per program in 16-row blocks; 64 registers at 4 warps, so ~8
 # programs share an SM (memory bound: what matters is how many loads are in flight)
@@ -80,9 +77,12 @@ def _to_device(values: list[int], device) -> torch.Tensor:
 
 
 def state_config(num_seqs: int, H: int, V: int, device) -> dict:
-    """The wide V tile when it still gives every SM a program, else the narrow one (more walkers)."""
-    programs = num_seqs * H * triton.cdiv(V, STATE_CONFIG_WIDE["BV"])
-    return STATE_CONFIG_WIDE if programs >= _sm_count(device) else STATE_CONFIG_NARROW
+    """The narrowest V tile (most walkers) whose programs all run at once on the SMs, else the widest."""
+    sms = _sm_count(device)
+    for config in STATE_CONFIGS:
+        if num_seqs * H * triton.cdiv(V, config["BV"]) <= sms:
+            return config
+    return STATE_CONFIGS[-1]
 
 
 @functools.cache
@@ -134,21 +134,17 @@ def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
     Ainv = torch.empty(T, H, CHUNK, dtype=torch.float32, device=dev)
     W = torch.empty(T, H, K, dtype=dt, device=dev)
     U0 = torch.empty(T, H, V, dtype=dt, device=dev)
-    intra_fwd_kernel[(meta.num_chunks, H)](q, k, v, beta, G, Mqk, Ainv, W, U0, meta.chunk_start,
+    KGL = torch.empty_like(k)  # the walk's k exp(G_last - G), in the dot dtype
+    intra_fwd_kernel[(meta.num_chunks, H)](q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, meta.chunk_start,
                                            meta.chunk_len, scale, SAFE_GATE=safe_gate,
                                            KS=min(KS, opts["BK"]), **opts, **INTRA_FWD_CONFIG)
-    if STATE_SEGMENTS > 1:
-        hbuf, U, ht = state_fwd_two_level(k, W, U0, G, h0, meta, STATE_SEGMENTS, opts, state_config,
-                                          output_final_state)
-    else:
-        hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
-        U = torch.empty_like(U0)
-        ht = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
-        state_cfg = state_config(meta.num_seqs, H, V, dev)
-        state_fwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
-            k, W, U0, G, h0 if h0 is not None else k, hbuf, U, ht if ht is not None else k, meta.seq_chunks,
-            meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts,
-            **state_cfg)
+    hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
+    U = torch.empty_like(U0)
+    ht = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    state_cfg = state_config(meta.num_seqs, H, V, dev)
+    state_fwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
+        KGL, W, U0, G, h0 if h0 is not None else k, hbuf, U, ht if ht is not None else k, meta.seq_chunks,
+        meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts, **state_cfg)
     o = torch.empty_like(v)
     output_kernel[(triton.cdiv(V, OUTPUT_CONFIG["BV"]), meta.num_chunks, H)](
         q, G, hbuf, Mqk, U, o, meta.chunk_start, meta.chunk_len, scale, **opts, **OUTPUT_CONFIG)
@@ -164,18 +160,18 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     V = v.shape[-1]
     dev = q.device
     opts = dict(H=H, K=K, V=V, BK=_block_k(K), DOT_BF16=q.dtype == torch.bfloat16)
-    if STATE_BWD_SEGMENTS > 1:
-        dhbuf, dU, dh0 = state_bwd_two_level(q, k, W, G, Mqk, do, dht, meta, STATE_BWD_SEGMENTS, scale, opts,
-                                             state_config, h0 is not None)
-    else:
-        dhbuf = torch.empty_like(hbuf)
-        dU = torch.empty_like(U)
-        dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
-        state_cfg = state_config(meta.num_seqs, H, V, dev)
-        state_bwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
-            q, k, W, G, Mqk, do, dht if dht is not None else q, dhbuf, dU, dh0 if dh0 is not None else q,
-            meta.seq_chunks, meta.chunk_start, meta.chunk_len, scale, HAS_DHT=dht is not None,
-            HAS_H0=dh0 is not None, **opts, **state_cfg)
+    # the walk's state-independent operands, recomputed rather than kept from the forward (2 T H K elements)
+    KGL, QG = torch.empty_like(k), torch.empty_like(q)
+    walk_operands_kernel[(meta.num_chunks, H)](q, k, G, QG, KGL, meta.chunk_start, meta.chunk_len, scale, H, K=K,
+                                               BK=opts["BK"], **WALK_OPERANDS_CONFIG)
+    dhbuf = torch.empty_like(hbuf)
+    dU = torch.empty_like(U)
+    dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
+    state_cfg = state_config(meta.num_seqs, H, V, dev)
+    state_bwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
+        QG, KGL, W, G, Mqk, do, dht if dht is not None else q, dhbuf, dU, dh0 if dh0 is not None else q,
+        meta.seq_chunks, meta.chunk_start, meta.chunk_len, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, **opts,
+        **state_cfg)
     f32 = dict(dtype=torch.float32, device=dev)
     block_kt = min(BKT, opts["BK"])
     num_kt = triton.cdiv(K, block_kt)

@@ -10,7 +10,7 @@ diagonal tile, which is finite in fp32 for a lower-bounded gate (g >= -5: <= e^7
 tile position by position instead.
 
 Outputs per chunk: Mqk = scale * (q.k decayed, causal incl. diagonal), Ainv = (I + diag(beta) Akk)^-1
-(Akk strictly lower), w = Ainv (beta k exp(G)), u0 = Ainv (beta v).
+(Akk strictly lower), w = Ainv (beta k exp(G)), u0 = Ainv (beta v), and the state walk's kgl = k exp(G_last - G).
 """
 
 import triton
@@ -67,6 +67,17 @@ def store_tile(ptr, x, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
 
 
 @triton.jit
+def key_decay_to_end(k, G, t0, n, h, H, K: tl.constexpr, BK: tl.constexpr):
+    """(kgl = k * exp(G_last - G) [64, BK] fp32, zero past the chunk; G_last [BK])."""
+    d = tl.arange(0, BK)
+    g = load_tile(G, t0, n, h, H, K, 0, BK)
+    g_last = tl.load(G + (t0 + n - 1) * H * K + h * K + d, mask=d < K, other=0.0)
+    valid = (tl.arange(0, 64) < n)[:, None] & (d < K)[None, :]
+    kgl = load_tile(k, t0, n, h, H, K, 0, BK) * tl.exp(tl.where(valid, g_last[None, :] - g, float("-inf")))
+    return kgl, g_last
+
+
+@triton.jit
 def row_block(ptr, t0, r0, n, row_stride, col0, cols, ncols):
     """Load rows r0..r0+15 of a chunk starting at token t0 (n valid rows) as fp32 [16, len(cols)]."""
     rows = r0 + tl.arange(0, 16)
@@ -93,7 +104,7 @@ def decay_factors(g_c, g_i, G, t0, r0, n, h, H, K: tl.constexpr, d, SAFE_GATE: t
 
 
 @triton.jit
-def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, chunk_start, chunk_len, scale,
+def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, chunk_start, chunk_len, scale,
                      H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr, KS: tl.constexpr):
     c, h = tl.program_id(0), tl.program_id(1)
@@ -173,6 +184,8 @@ def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, chunk_start, chunk_len,
     kb *= tl.exp(tl.load(G + offs_k, mask=m2, other=0.0))
     w = tl.dot(a_dot, to_dot(kb, DOT_BF16))
     tl.store(W + offs_k, w.to(W.dtype.element_ty), mask=m2)
+    kgl, _ = key_decay_to_end(k, G, t0, n, h, H, K, BK)  # the state walk's operand (state.py)
+    store_tile(KGL, kgl, t0, n, h, H, K, 0, BK)
     for v0 in range(0, V, BV):
         e = v0 + tl.arange(0, BV)
         mv = row_ok[:, None] & (e < V)[None, :]

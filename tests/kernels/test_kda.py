@@ -108,28 +108,33 @@ def test_precomputed_gate_varlen():
 
 
 @interpreter_case
-@pytest.mark.parametrize("segments,case", [(3, "lower_bound"), (2, "saturated_without_h0")])
-def test_two_level_state_walk_equals_the_one_level_walk(segments, case, monkeypatch):
-    """``STATE_SEGMENTS`` / ``STATE_BWD_SEGMENTS`` (kernels/kda/segmented.py): sequences of 6 chunks (segments of 2
-    or 3 chunks), 1 chunk (empty segments: identity steps) and 3 chunks give the one-level walks' outputs,
-    final states and gradients (dh0 included), and match the reference; with every g at the bound and no
-    initial state too."""
+@pytest.mark.parametrize("block_v", [16, 32])
+def test_state_walk_v_tiles_agree(block_v, monkeypatch):
+    """Each V tile of the state walks (chunk.state_config picks one per shape) gives the widest tile's outputs,
+    final states and gradients (dh0 included) and matches the reference: V = 48 (a partial last tile), varlen
+    with a one-chunk sequence and a chunk boundary inside the last one."""
     import kernels.kda.chunk as chunk
 
-    x = make_inputs(1, 520, 2, 32, 32, N=3, seed=8)
-    cu = torch.tensor([0, 330, 336, 520])
-    kwargs = dict(cu_seqlens=cu)
-    gate = "lower_bound"
-    if case == "saturated_without_h0":
-        x["g"], gate = torch.full_like(x["g"], -5.0), "given"
-        kwargs.update(safe_gate=True, with_h0=False)
-    one = run_pair(x, gate, **kwargs)[0]
-    monkeypatch.setattr(chunk, "STATE_SEGMENTS", segments)
-    monkeypatch.setattr(chunk, "STATE_BWD_SEGMENTS", segments)
-    two, reference = run_pair(x, gate, **kwargs)
-    assert rel_err(two[0], one[0]) < 1e-5 and rel_err(two[1], one[1]) < 1e-5
-    assert set(two[2]) == set(one[2]) and all(rel_err(two[2][n], one[2][n]) < 1e-5 for n in one[2])
-    assert_match((two, reference), 1e-4, ("q", "k", "v", "beta"))
+    x = make_inputs(1, 200, 2, 32, 48, N=3, seed=8)
+    cu = torch.tensor([0, 130, 136, 200])
+    monkeypatch.setattr(chunk, "STATE_CONFIGS", (dict(BV=64, num_warps=4),))
+    wide = run_pair(x, "lower_bound", cu_seqlens=cu)[0]
+    monkeypatch.setattr(chunk, "STATE_CONFIGS", (dict(BV=block_v, num_warps=4),))
+    narrow, reference = run_pair(x, "lower_bound", cu_seqlens=cu)
+    assert rel_err(narrow[0], wide[0]) < 1e-5 and rel_err(narrow[1], wide[1]) < 1e-5
+    assert set(narrow[2]) == set(wide[2]) and all(rel_err(narrow[2][n], wide[2][n]) < 1e-5 for n in wide[2])
+    assert_match((narrow, reference), 1e-4, ("q", "k", "v", "beta", "h0"))
+
+
+def test_state_config_takes_the_narrowest_tile_that_fits_one_wave(monkeypatch):
+    """132 SMs (H200): 16 sequence-heads walk in 16-wide V tiles (128 programs), 32 in 32-wide ones, 128 in
+    the widest (256 programs: none fits one wave)."""
+    import kernels.kda.chunk as chunk
+
+    monkeypatch.setattr(chunk, "_sm_count", lambda device: 132)
+    assert [chunk.state_config(seqs, heads, 128, "cuda")["BV"] for seqs, heads in ((1, 16), (2, 16), (4, 32))] \
+        == [16, 32, 64]
+    assert chunk.state_config(1, 33, 128, "cuda")["BV"] == 32  # 33 * 8 = 264 programs at 16 > 132
 
 
 @interpreter_case
@@ -211,23 +216,16 @@ def test_bf16_on_gpu_matches_fp32_reference(gate, head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("segments", [4, 16])
-def test_bf16_two_level_walk_on_gpu_matches_the_fp32_reference(segments, monkeypatch):
-    """STATE_SEGMENTS / STATE_BWD_SEGMENTS in bf16 on the GPU, D = 128 (the compiled walks over V + K columns
-    and the correction):
-    within the one-level walk's bf16 error of the fp32 reference; varlen with a sequence shorter than the
-    segment count."""
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+def test_bf16_walk_tiles_on_gpu_match_the_fp32_reference(block_v, monkeypatch):
+    """Each V tile of the compiled state walks in bf16, D = 128, varlen: within bf16 error of the fp32 reference
+    (the e2e layer at 16k walks in 16-wide tiles, at 4k in 32-wide ones, bench_kda's larger shapes in 64)."""
     import kernels.kda.chunk as chunk
 
+    monkeypatch.setattr(chunk, "STATE_CONFIGS", (dict(BV=block_v, num_warps=4),))
     x = make_inputs(1, 3000, 4, 128, 128, N=3, device="cuda", seed=4)
     cu = torch.tensor([0, 2100, 2150, 3000], device="cuda")
-    one = run_pair(x, "lower_bound", dtype=torch.bfloat16, cu_seqlens=cu)
-    monkeypatch.setattr(chunk, "STATE_SEGMENTS", segments)
-    monkeypatch.setattr(chunk, "STATE_BWD_SEGMENTS", segments)
-    two = run_pair(x, "lower_bound", dtype=torch.bfloat16, cu_seqlens=cu)
-    assert_match(two, 1e-2, ("q", "k", "v", "beta", "h0"))
-    (o1, s1, _), (o2, s2, _) = one[0], two[0]
-    assert rel_err(o2, o1) < 1e-2 and rel_err(s2, s1) < 1e-2
+    assert_match(run_pair(x, "lower_bound", dtype=torch.bfloat16, cu_seqlens=cu), 1e-2, ("q", "k", "v", "beta", "h0"))
 
 
 @pytest.mark.gpu

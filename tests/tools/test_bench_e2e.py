@@ -119,16 +119,16 @@ def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(
 
 
 def test_kda_layout_rows_apply_their_layout_inside_and_restore_it():
-    """``ours_full_16k@state-2level-8``: the sweep layout's chunk.py constants hold while that row runs only."""
+    """``ours_full_16k@state-bv32``: the sweep layout's chunk.py constants hold while that row runs only."""
     import kernels.kda.chunk as chunk
     from tools.bench_e2e import kda_layout, parse_args, split_variant
 
-    name = "ours_full_16k+eager@state-2level-8"
+    name = "ours_full_16k+eager@state-bv32"
     assert parse_args(["--variants", name]).variants == [name]
-    assert split_variant(name) == ("ours_full_16k", True, "state-2level-8")
-    before = (chunk.STATE_SEGMENTS, chunk.STATE_BWD_SEGMENTS)
+    assert split_variant(name) == ("ours_full_16k", True, "state-bv32")
+    before = chunk.STATE_CONFIGS
     with kda_layout(name):
-        assert (chunk.STATE_SEGMENTS, chunk.STATE_BWD_SEGMENTS) == (8, 8)
-    assert (chunk.STATE_SEGMENTS, chunk.STATE_BWD_SEGMENTS) == before
+        assert [config["BV"] for config in chunk.STATE_CONFIGS] == [32]
+    assert chunk.STATE_CONFIGS == before
     with kda_layout("ours_full_16k"):  # no layout: nothing changes
-        assert (chunk.STATE_SEGMENTS, chunk.STATE_BWD_SEGMENTS) == before
+        assert chunk.STATE_CONFIGS == before

@@ -48,16 +48,16 @@ step rmsnorm 60 python3 tools/bench_rms_norm.py --out "$OUT/rms-norm-h200.json"
 # TRITON_CACHE_DIR to a carried folder (e.g. .ab/tcache) and pack its *.autotune.json into $OUT to reuse them
 # in a later call (they hold configs, not timings; see docs/benchmarks.md, KDA kernels).
 step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-} --out "$OUT/kda-h200.json"
-# kernel-layout sweep of chunk.py constants at one shape (default: the e2e 16k layer and the two-level walk)
+# kernel-layout sweep of chunk.py constants at one shape (default: the e2e 16k layer and the walks' V tiles)
 step kda-sweep ${KDA_SWEEP_LIMIT:-240} python3 tools/sweep_kda_kernels.py --shape ${KDA_SWEEP_SHAPE:-1,16384,16,128} \
-  --only ${KDA_SWEEP_ONLY:-default,state-2level-4,state-2level-8,state-2level-16} --out "$OUT/kda-sweep-h200.json"
+  --only ${KDA_SWEEP_ONLY:-default,state-bv16,state-bv32,state-bv64} --out "$OUT/kda-sweep-h200.json"
 # expandable segments: the five variants of one process reuse memory of different shapes
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 step e2e ${E2E_LIMIT:-400} python3 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200.json"
 # ours_full_16k as bench_e2e runs it and under other KDA layouts (@: tools/sweep_kda_kernels.py names; +eager:
 # HybridConfig's eager capacity routing), in one process beside ours_base_16k (the criterion's other side)
 step e2e-ab ${E2E_LIMIT:-300} python3 tools/bench_e2e.py --out "$OUT/e2e-ab-h200.json" \
-  --variants ${E2E_AB_VARIANTS:-ours_base_16k,ours_full_16k,ours_full_16k@state-2level-8,ours_full_16k@state-2level-4,ours_full_16k,ours_base_16k}
+  --variants ${E2E_AB_VARIANTS:-ours_base_16k,ours_full_16k,ours_full_16k@state-bv32,ours_full_16k,ours_full_16k@state-bv32,ours_base_16k}
 step e2e2 ${E2E_LIMIT:-300} torchrun --standalone --nproc-per-node 2 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200x2.json"
 step profile ${PROFILE_LIMIT:-150} python3 tools/bench_e2e.py --profile ${PROFILE_VARIANT:-ours_full} --profile-out "$OUT/profile-${PROFILE_VARIANT:-ours_full}.md"
 tail -n 60 "$LOG" | grep -E "^===|passed|failed|error|Error" | tail -40
