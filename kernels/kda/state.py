@@ -66,15 +66,6 @@ def chunk_step_bounds(G, chunk_start, chunk_len, c, h, H, K: tl.constexpr, BK: t
 
 
 @triton.jit
-def fwd_step_operands(KGL, W, U0, G, chunk_start, chunk_len, c, h, H, K: tl.constexpr, V: tl.constexpr,
-                      v0, BK: tl.constexpr, BV: tl.constexpr):
-    """Chunk c's operands of the forward walk as stored: t0, n, w, u0, kgl, G_last."""
-    t0, n, g_last = chunk_step_bounds(G, chunk_start, chunk_len, c, h, H, K, BK)
-    return (t0, n, load_rows(W, t0, n, h, H, K, 0, BK), load_rows(U0, t0, n, h, H, V, v0, BV),
-            load_rows(KGL, t0, n, h, H, K, 0, BK), g_last)
-
-
-@triton.jit
 def state_fwd_kernel(KGL, W, U0, G, h0, hbuf, U, ht, seq_chunks, chunk_start, chunk_len,
                      H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_BF16: tl.constexpr):
@@ -87,8 +78,9 @@ def state_fwd_kernel(KGL, W, U0, G, h0, hbuf, U, ht, seq_chunks, chunk_start, ch
         S += tl.load(h0 + offs0, mask=mask_s, other=0.0).to(tl.float32)
     c_lo, c_hi = tl.load(seq_chunks + seq), tl.load(seq_chunks + seq + 1)
     for c in range(c_lo, c_hi):
-        t0, n, w, u0, kgl, g_last = fwd_step_operands(KGL, W, U0, G, chunk_start, chunk_len, c, h, H, K, V, v0,
-                                                      BK, BV)
+        t0, n, g_last = chunk_step_bounds(G, chunk_start, chunk_len, c, h, H, K, BK)
+        w, u0 = load_rows(W, t0, n, h, H, K, 0, BK), load_rows(U0, t0, n, h, H, V, v0, BV)
+        kgl = load_rows(KGL, t0, n, h, H, K, 0, BK)
         offs_c, _ = state_offsets(c, h, v0, H, K, V, BK, BV)
         tl.store(hbuf + offs_c, S.to(hbuf.dtype.element_ty), mask=mask_s)
         # fp32 operands (tf32 on GPU) here: this product feeds back into the state every chunk
@@ -116,16 +108,6 @@ def output_kernel(q, G, hbuf, Mqk, U, O, chunk_start, chunk_len, scale,
 
 
 @triton.jit
-def bwd_step_operands(QG, KGL, W, G, Mqk, dO, chunk_start, chunk_len, c, h, H, K: tl.constexpr,
-                      V: tl.constexpr, v0, BK: tl.constexpr, BV: tl.constexpr):
-    """Chunk c's operands of the backward walk as stored: t0, n, dO, Mqk, kgl, w, qg, G_last."""
-    t0, n, g_last = chunk_step_bounds(G, chunk_start, chunk_len, c, h, H, K, BK)
-    return (t0, n, load_rows(dO, t0, n, h, H, V, v0, BV), load_rows(Mqk, t0, n, h, H, 64, 0, 64),
-            load_rows(KGL, t0, n, h, H, K, 0, BK), load_rows(W, t0, n, h, H, K, 0, BK),
-            load_rows(QG, t0, n, h, H, K, 0, BK), g_last)
-
-
-@triton.jit
 def state_bwd_kernel(QG, KGL, W, G, Mqk, dO, dht, dhbuf, dU, dh0, seq_chunks, chunk_start, chunk_len,
                      H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      HAS_DHT: tl.constexpr, HAS_H0: tl.constexpr, DOT_BF16: tl.constexpr):
@@ -140,8 +122,10 @@ def state_bwd_kernel(QG, KGL, W, G, Mqk, dO, dht, dhbuf, dU, dh0, seq_chunks, ch
     c_lo, c_hi = tl.load(seq_chunks + seq), tl.load(seq_chunks + seq + 1)
     for j in range(c_hi - c_lo):
         c = c_hi - 1 - j
-        t0, n, do, m, kgl, w, qg, g_last = bwd_step_operands(QG, KGL, W, G, Mqk, dO, chunk_start, chunk_len, c,
-                                                             h, H, K, V, v0, BK, BV)
+        t0, n, g_last = chunk_step_bounds(G, chunk_start, chunk_len, c, h, H, K, BK)
+        do, m = load_rows(dO, t0, n, h, H, V, v0, BV), load_rows(Mqk, t0, n, h, H, 64, 0, 64)
+        kgl, w = load_rows(KGL, t0, n, h, H, K, 0, BK), load_rows(W, t0, n, h, H, K, 0, BK)
+        qg = load_rows(QG, t0, n, h, H, K, 0, BK)
         offs_c, _ = state_offsets(c, h, v0, H, K, V, BK, BV)
         tl.store(dhbuf + offs_c, dS.to(dhbuf.dtype.element_ty), mask=mask_s)
         do = to_dot(do, DOT_BF16)
