@@ -18,7 +18,6 @@ process from the warm cache.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import kernels.attn_res.fused as fused  # noqa: E402
+from tools import bench_common  # noqa: E402
 from tools.bench_attnres_kernel import schedule_step  # noqa: E402
 
 # (name, {fused.py constant: value}); register counts from an offline sm_90 compile (n = 9, h = 2048, the norm).
@@ -94,22 +94,9 @@ KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_k
            "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}
 
 
-def apply(changes: dict) -> dict:
-    """Set the changes on fused.py; returns what to restore (a misspelt constant fails here, not silently)."""
-    saved = {name: getattr(fused, name) for name in changes}
-    for name, value in changes.items():
-        setattr(fused, name, value)
-    return saved
-
-
-@contextlib.contextmanager
 def layout(changes: dict):
     """fused.py with ``changes`` applied inside the block (also used by ``bench_attnres --ab-kernel``)."""
-    saved = apply(changes)
-    try:
-        yield
-    finally:
-        apply(saved)
+    return bench_common.constants_layout(fused, changes)
 
 
 def kernel_ms(step, steps: int = 5) -> dict:
@@ -156,7 +143,7 @@ def main():
     configs = [(n, c) for n, c in CONFIGS if wanted is None or n in wanted or n == "default"]
     if args.compile_only:
         changes = dict(CONFIGS)[args.compile_only]
-        apply(changes)
+        bench_common.set_constants(fused, changes)
         schedule_step(device, torch.bfloat16, 64, args.hidden)(False)
         torch.cuda.synchronize()
         return

@@ -13,7 +13,6 @@ a config found faster here must pass it before it becomes the default.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 
@@ -22,6 +21,7 @@ import triton.testing
 
 import kernels.kda.chunk as chunk
 from kernels.kda import chunk_kda
+from tools import bench_common
 from tools.bench_kda import call, kernel_breakdown, make_inputs
 
 # (name, {chunk.py attribute: value}); dict values update that launch dict, others replace the constant.
@@ -45,23 +45,9 @@ CONFIGS = [
 ]
 
 
-def apply(changes: dict) -> dict:
-    """Set the changes on chunk.py; returns what to restore."""
-    saved = {}
-    for name, value in changes.items():
-        saved[name] = getattr(chunk, name)
-        setattr(chunk, name, {**saved[name], **value} if isinstance(value, dict) else value)
-    return saved
-
-
-@contextlib.contextmanager
 def layout(changes: dict):
     """chunk.py with ``changes`` applied inside the block (also used by ``bench_e2e``'s ``NAME@LAYOUT`` rows)."""
-    saved = apply(changes)
-    try:
-        yield
-    finally:
-        apply(saved)
+    return bench_common.constants_layout(chunk, changes)
 
 
 def fwd_bwd_outputs(x, do):
