@@ -45,6 +45,12 @@ def state_offsets(c, h, v0, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
+def query_decayed(q, G, t0, n, h, H, K: tl.constexpr, BK: tl.constexpr, scale):
+    """qg = scale q exp(G) [64, BK] fp32, zero past the chunk."""
+    return load_chunk(q, t0, n, h, H, K, 0, BK) * tl.exp(load_chunk(G, t0, n, h, H, K, 0, BK)) * scale
+
+
+@triton.jit
 def walk_operands_kernel(q, k, G, QG, KGL, chunk_start, chunk_len, scale, H, K: tl.constexpr, BK: tl.constexpr):
     """One (chunk, head): the backward walk's state-independent operands, in the dot dtype (bf16 for bf16
     inputs): KGL = k exp(Gl - G) (the forward's comes from intra_fwd_kernel) and QG = scale q exp(G)."""
@@ -52,7 +58,7 @@ def walk_operands_kernel(q, k, G, QG, KGL, chunk_start, chunk_len, scale, H, K: 
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     kgl, _ = key_decay_to_end(k, G, t0, n, h, H, K, BK)
     store_chunk(KGL, kgl, t0, n, h, H, K, 0, BK)
-    qg = load_chunk(q, t0, n, h, H, K, 0, BK) * tl.exp(load_chunk(G, t0, n, h, H, K, 0, BK)) * scale
+    qg = query_decayed(q, G, t0, n, h, H, K, BK, scale)
     store_chunk(QG, qg, t0, n, h, H, K, 0, BK)
 
 
@@ -98,7 +104,7 @@ def output_kernel(q, G, hbuf, Mqk, U, O, chunk_start, chunk_len, scale,
     vb, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     v0 = vb * BV
-    qg = load_chunk(q, t0, n, h, H, K, 0, BK) * tl.exp(load_chunk(G, t0, n, h, H, K, 0, BK)) * scale
+    qg = query_decayed(q, G, t0, n, h, H, K, BK, scale)
     offs_c, mask_s = state_offsets(c, h, v0, H, K, V, BK, BV)
     S = tl.load(hbuf + offs_c, mask=mask_s, other=0.0)
     o = tl.dot(to_dot(qg, DOT_BF16), to_dot(S, DOT_BF16))
