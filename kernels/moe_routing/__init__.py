@@ -1,0 +1,25 @@
+"""One-rank capacity routing in rounds (quantile balancing's capacity mode without host reads) as Triton
+kernels: :func:`capacity_rounds` (``fused.py``), checked against the PyTorch reference ``naive.py`` and
+against ``megatron_ext.moe.quantile_capacity``, whose one-rank CUDA path without host reads calls it."""
+
+import torch
+
+from kernels.moe_routing.naive import capacity_rounds_reference
+
+__all__ = ["capacity_rounds", "capacity_rounds_reference"]
+
+
+def capacity_rounds(scores, k, capacity, bias=None, num_bins=1000, score_range=(0.0, 1.0), rounds=3):
+    """``rounds`` proposal rounds on fp32 ``scores [N, E]`` with per-expert ``capacity`` (pairs), ``bias``
+    (fp32 ``[E]`` or None) shifting selection only, scores binned into ``num_bins`` over ``score_range``.
+    Returns int64 (experts ``[N, k]``: held experts by biased score, then -1; dropped pairs; rerouted pairs,
+    those outside the token's plain top-k; per-expert load ``[E]``). Ties between equal biased scores go
+    to the lower expert id."""
+    from kernels.moe_routing.fused import capacity_rounds as launch
+
+    if scores.dtype != torch.float32 or scores.dim() != 2:
+        raise ValueError(f"scores must be fp32 [N, E], got {scores.dtype} {tuple(scores.shape)}")
+    if scores.shape[0] < 1 or rounds < 1 or capacity < 0:
+        raise ValueError(f"need N >= 1, rounds >= 1, capacity >= 0; got N={scores.shape[0]}, rounds={rounds}, "
+                         f"capacity={capacity}")
+    return launch(scores.contiguous(), k, capacity, bias, num_bins, score_range, rounds)

@@ -1,0 +1,131 @@
+"""Triton rounds of one-rank capacity routing: three kernels per round instead of ~40 PyTorch ops.
+
+State between kernels, all on the device: ``held [N, E]`` int8 (token n holds expert e), ``room [E]``
+int32, one ``[E, num_bins]`` int32 histogram per round, ``proposals [N, E]`` int8 (this round's).
+
+* ``propose_kernel`` (program per TOKEN_TILE / E tokens): walks each token's preference order
+  (``argsort`` of the biased scores, stable, best first), proposes to the first ``k - held`` experts it
+  does not hold that have room, writes the proposals row and adds them to the round's histogram.
+* ``admit_kernel`` (program per expert): from its histogram row, the boundary bin ``b`` (the first whose
+  running count from the lowest bin exceeds the excess ``demand - room``) and the quota admitted inside
+  it; then one scan over the tokens in blocks of ADMIT_TOKENS: bins above ``b`` are admitted, bin ``b``
+  in token order up to the quota. The expert's best ``room`` proposals, as ``quantile_capacity._admit``.
+* ``result_kernel`` (program per TOKEN_TILE / E tokens): held experts in preference order, then -1;
+  dropped and rerouted counts (int64 atomics); program 0 also writes the per-expert load.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# (token, expert) entries per program of the token-parallel kernels: 16 tokens at E = 64, 4 at E = 256
+TOKEN_TILE = 1024
+ADMIT_TOKENS = 1024
+NUM_WARPS = 4
+
+
+@triton.jit
+def _bin_of(score, lo, scale, NUM_BINS: tl.constexpr):
+    # quantile_histogram.histogram_bins in fp32: shift, scale, clamp, truncate
+    return tl.minimum(tl.maximum((score - lo) * scale, 0.0), NUM_BINS - 1).to(tl.int32)
+
+
+@triton.jit
+def propose_kernel(scores, preference, held, room, proposals, hist, N, lo, scale, E: tl.constexpr,
+                   EP: tl.constexpr, K: tl.constexpr, NUM_BINS: tl.constexpr, BN: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    j = tl.arange(0, EP)
+    ok = (n < N)[:, None] & (j < E)[None, :]
+    row = n.to(tl.int64)[:, None] * E
+    expert = tl.load(preference + row + j[None, :], mask=ok, other=0)
+    holds = tl.load(held + row + expert, mask=ok, other=0) != 0
+    free = K - tl.sum(holds.to(tl.int32), 1)
+    available = ok & ~holds & (tl.load(room + expert, mask=ok, other=0) > 0)
+    ahead = tl.cumsum(available.to(tl.int32), 1)
+    propose = available & (ahead <= free[:, None])
+    tl.store(proposals + row + expert, propose.to(tl.int8), mask=ok)
+    bins = _bin_of(tl.load(scores + row + expert, mask=ok, other=0.0), lo, scale, NUM_BINS)
+    tl.atomic_add(hist + expert * NUM_BINS + bins, 1, mask=propose, sem="relaxed")
+
+
+@triton.jit
+def admit_kernel(scores, held, room, proposals, hist, N, lo, scale, E: tl.constexpr, NUM_BINS: tl.constexpr,
+                 BINS_P: tl.constexpr, BT: tl.constexpr):
+    e = tl.program_id(0)
+    b = tl.arange(0, BINS_P)
+    counts = tl.load(hist + e * NUM_BINS + b, mask=b < NUM_BINS, other=0)
+    cum = tl.cumsum(counts, 0)
+    demand = tl.sum(counts, 0)
+    room_e = tl.load(room + e)
+    excess = demand - room_e
+    boundary = tl.minimum(tl.sum((cum <= excess).to(tl.int32), 0), NUM_BINS - 1)
+    quota = tl.sum(tl.where(b == boundary, cum, 0), 0) - excess
+    tl.store(room + e, room_e - tl.minimum(demand, room_e))
+    if demand > 0:
+        taken = quota * 0  # boundary-bin proposals of earlier token blocks
+        for start in range(0, N, BT):
+            n = start + tl.arange(0, BT)
+            at = n.to(tl.int64) * E + e
+            propose = tl.load(proposals + at, mask=n < N, other=0) != 0
+            bins = _bin_of(tl.load(scores + at, mask=propose, other=0.0), lo, scale, NUM_BINS)
+            at_boundary = propose & (bins == boundary)
+            place = taken + tl.cumsum(at_boundary.to(tl.int32), 0)
+            admit = (propose & (bins > boundary)) | (at_boundary & (place <= quota))
+            tl.store(held + at, tl.full([BT], 1, tl.int8), mask=admit)
+            taken += tl.sum(at_boundary.to(tl.int32), 0)
+
+
+@triton.jit
+def result_kernel(preference, held, room, experts, dropped, rerouted, load, N, capacity, E: tl.constexpr,
+                  EP: tl.constexpr, K: tl.constexpr, BN: tl.constexpr):
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    j = tl.arange(0, EP)
+    n_ok = n < N
+    ok = n_ok[:, None] & (j < E)[None, :]
+    row = n.to(tl.int64)[:, None] * E
+    expert = tl.load(preference + row + j[None, :], mask=ok, other=0)
+    holds = (tl.load(held + row + expert, mask=ok, other=0) != 0) & ok
+    slot = tl.cumsum(holds.to(tl.int32), 1) - 1  # among the held, in preference order
+    kept = tl.sum(holds.to(tl.int32), 1)
+    for s in tl.static_range(K):
+        chosen = tl.sum(tl.where(holds & (slot == s), expert, 0), 1)
+        tl.store(experts + n.to(tl.int64) * K + s, tl.where(s < kept, chosen, -1).to(tl.int64), mask=n_ok)
+    tl.atomic_add(dropped, tl.sum(tl.where(n_ok, K - kept, 0), 0).to(tl.int64), sem="relaxed")
+    outside_top_k = tl.sum(tl.sum((holds & (j >= K)[None, :]).to(tl.int32), 1), 0)
+    tl.atomic_add(rerouted, outside_top_k.to(tl.int64), sem="relaxed")
+    if tl.program_id(0) == 0:
+        e = tl.arange(0, EP)
+        tl.store(load + e, (capacity - tl.load(room + e, mask=e < E, other=0)).to(tl.int64), mask=e < E)
+
+
+def tokens_per_program(num_experts):
+    return max(1, TOKEN_TILE // triton.next_power_of_2(num_experts))
+
+
+def capacity_rounds(scores, k, capacity, bias=None, num_bins=1000, score_range=(0.0, 1.0), rounds=3):
+    """Launch ``rounds`` rounds on fp32 ``scores [N, E]`` (contiguous, N >= 1) -> (experts ``[N, k]``,
+    dropped, rerouted, load ``[E]``), int64, as :func:`kernels.moe_routing.naive.capacity_rounds_reference`."""
+    num_tokens, num_experts = scores.shape
+    device = scores.device
+    biased = scores if bias is None else scores + bias
+    preference = biased.argsort(dim=1, descending=True, stable=True).to(torch.int32)
+    held = torch.zeros(num_tokens, num_experts, dtype=torch.int8, device=device)
+    proposals = torch.empty_like(held)
+    room = torch.full((num_experts,), capacity, dtype=torch.int32, device=device)
+    hist = torch.zeros(rounds, num_experts, num_bins, dtype=torch.int32, device=device)
+    lo, hi = score_range
+    scale = num_bins / (hi - lo)  # passed as fp32, as histogram_bins' multiply rounds it
+    token_grid = (triton.cdiv(num_tokens, tokens_per_program(num_experts)),)
+    token_tile = dict(EP=triton.next_power_of_2(num_experts), BN=tokens_per_program(num_experts))
+    shape = dict(E=num_experts, NUM_BINS=num_bins, num_warps=NUM_WARPS)
+    for r in range(rounds):
+        propose_kernel[token_grid](scores, preference, held, room, proposals, hist[r], num_tokens, lo, scale, K=k,
+                                   **token_tile, **shape)
+        admit_kernel[(num_experts,)](scores, held, room, proposals, hist[r], num_tokens, lo, scale,
+                                     BINS_P=triton.next_power_of_2(num_bins), BT=ADMIT_TOKENS, **shape)
+    experts = torch.empty(num_tokens, k, dtype=torch.int64, device=device)
+    counts = torch.zeros(2, dtype=torch.int64, device=device)  # dropped, rerouted
+    load = torch.empty(num_experts, dtype=torch.int64, device=device)
+    result_kernel[token_grid](preference, held, room, experts, counts[0:], counts[1:], load, num_tokens, capacity,
+                              E=num_experts, K=k, num_warps=NUM_WARPS, **token_tile)
+    return experts, counts[0], counts[1], load

@@ -1,0 +1,105 @@
+"""Capacity routing rounds: Triton kernels vs the PyTorch reference (naive.py, a per-expert sort) and vs
+``quantile_capacity._route``'s PyTorch rounds without host reads (histogram admission). All three must agree
+to the bit: experts, dropped, rerouted, per-expert load. CPU: Triton interpreter in a subprocess; GPU: the
+benchmark's shapes."""
+
+import pytest
+import torch
+
+from kernels.moe_routing import capacity_rounds, capacity_rounds_reference
+from tests.kernels.interpreter import interpreter_case, launcher_test
+
+test_cases_under_interpreter = launcher_test(__file__)
+
+
+def make_scores(num_tokens, num_experts, skew, seed, device="cpu", bias=True):
+    """Sigmoid scores with per-expert offsets (``skew``: some experts over-subscribed) and a small bias."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g) + torch.linspace(-skew, skew, num_experts)
+    expert_bias = 0.1 * torch.randn(num_experts, generator=g) if bias else None
+    return logits.sigmoid().to(device), None if expert_bias is None else expert_bias.to(device)
+
+
+def torch_rounds(scores, k, capacity_factor, bias, num_bins, rounds):
+    from megatron_ext.moe import quantile_capacity
+
+    saved, quantile_capacity.ROUTING_KERNELS = quantile_capacity.ROUTING_KERNELS, False
+    try:
+        result = quantile_capacity._route(scores, k, capacity_factor, bias, num_bins, 0.0, 1.0, None, None,
+                                          rounds - 1, False)
+    finally:
+        quantile_capacity.ROUTING_KERNELS = saved
+    return result.experts, result.dropped, result.rerouted, result.global_load
+
+
+def assert_same(got, expected):
+    for name, a, b in zip(("experts", "dropped", "rerouted", "load"), got, expected):
+        assert a.dtype == b.dtype == torch.int64, (name, a.dtype, b.dtype)
+        assert torch.equal(a.cpu(), b.cpu()), f"{name} differs:\n{a}\n{b}"
+
+
+@interpreter_case
+@pytest.mark.parametrize("num_tokens,num_experts,k,capacity_factor,num_bins,rounds", [
+    (300, 16, 4, 1.0, 64, 3),     # token count off the program tile, typical overflow
+    (257, 12, 3, 0.8, 5, 2),      # E not a power of two; 5 bins: crowded boundary bins resolved in token order
+    (100, 8, 2, 1.3, 1000, 1),    # round 1 alone (plain top-k admission)
+    (64, 16, 8, 0.5, 16, 4),      # tight capacity: pairs dropped, four rounds
+])
+def test_kernels_equal_the_reference_and_the_pytorch_rounds(num_tokens, num_experts, k, capacity_factor, num_bins,
+                                                            rounds):
+    from megatron_ext.moe.quantile_capacity import expert_capacity
+
+    scores, bias = make_scores(num_tokens, num_experts, 2.0, seed=num_tokens)
+    capacity = expert_capacity(num_tokens, k, num_experts, capacity_factor)
+    got = capacity_rounds(scores, k, capacity, bias, num_bins, (0.0, 1.0), rounds)
+    assert_same(got, capacity_rounds_reference(scores, k, capacity, bias, num_bins, (0.0, 1.0), rounds))
+    assert_same(got, torch_rounds(scores, k, capacity_factor, bias, num_bins, rounds))
+    assert (got[3] <= capacity).all() and (got[3] == capacity).any()  # the capacity binds in every case
+
+
+@interpreter_case
+def test_admission_carries_its_place_across_token_blocks(monkeypatch):
+    """Boundary-bin proposals of one expert spread over several admission blocks (ADMIT_TOKENS cut to 32):
+    the count carried between blocks decides who gets the last slots. Two bins, so most proposals share the
+    boundary bin; no bias."""
+    from kernels.moe_routing import fused
+
+    monkeypatch.setattr(fused, "ADMIT_TOKENS", 32)
+    scores, _ = make_scores(150, 8, 1.0, seed=3, bias=False)
+    got = capacity_rounds(scores, 2, 30, None, 2, (0.0, 1.0), 3)
+    assert_same(got, capacity_rounds_reference(scores, 2, 30, None, 2, (0.0, 1.0), 3))
+    assert (got[3] == 30).sum() >= 4  # several experts filled exactly, through their boundary bins
+
+
+@interpreter_case
+def test_saturated_scores_and_scores_outside_the_range_fill_the_edge_bins():
+    """Scores of exactly 1, and some past the histogram range on both sides, land in the edge bins; equal
+    biased scores break toward the lower expert id; a zero capacity drops everything."""
+    scores, _ = make_scores(90, 8, 0.0, seed=5, bias=False)
+    scores[::3] = 1.0
+    scores[1::7, :3] = torch.tensor([1.5, -0.25, 2.0])
+    for capacity in (20, 0):
+        got = capacity_rounds(scores, 3, capacity, None, 10, (0.0, 1.0), 3)
+        assert_same(got, capacity_rounds_reference(scores, 3, capacity, None, 10, (0.0, 1.0), 3))
+    assert got[1] == 90 * 3 and (got[0] == -1).all()
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="scores must be fp32"):
+        capacity_rounds(torch.rand(4, 8, dtype=torch.float64), 2, 3)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        capacity_rounds(torch.rand(4, 8), 2, 3, rounds=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts", [64, 256])
+def test_kernels_equal_the_pytorch_rounds_on_gpu(num_experts):
+    """The end-to-end benchmark's routing shape (16384 tokens, top-8, 1000 bins, capacity factor 1.0, three
+    rounds) and a 256-expert one: bit-equal to the PyTorch rounds on the GPU."""
+    from megatron_ext.moe.quantile_capacity import expert_capacity
+
+    scores, bias = make_scores(16384, num_experts, 2.0, seed=num_experts, device="cuda")
+    capacity = expert_capacity(16384, 8, num_experts, 1.0)
+    got = capacity_rounds(scores, 8, capacity, bias, 1000, (0.0, 1.0), 3)
+    assert_same(got, torch_rounds(scores, 8, 1.0, bias, 1000, 3))
+    assert got[2] > 0 and got[3].max() == capacity  # overflow was routed
