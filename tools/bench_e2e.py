@@ -21,12 +21,14 @@ Variants (``--variants``, default all):
 * ``ours_base_16k`` / ``ours_full_16k``: the same at sequence 16384, micro-batch
   ``--long-micro-batch`` (default 1: at 2 the static ~63 GB of weights, grads and AdamW state plus
   4x the 4k activations would not fit in one H200's 139 GB);
-* A/B rows, not in the default list: ``NAME+eager`` (an ours_full row with HybridConfig's capacity-routing
-  defaults, host reads on and no CUDA graphs, whatever ``--qb-cuda-graph`` says) and ``NAME@LAYOUT`` (an
-  ours_full row with a ``tools/sweep_kda_kernels.py`` layout of the KDA kernels in force while it runs, e.g.
-  ``ours_full_16k@state-bv32``); both may combine (``ours_full_16k+eager@state-bv32``). A name may
-  repeat: ``--variants ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager`` is an ABAB
-  comparison in one process.
+* A/B rows, not in the default list, ``NAME[+OPTION...][@LAYOUT]`` on an ours_full row: ``+eager``
+  (HybridConfig's capacity-routing defaults, host reads on and no CUDA graphs, whatever ``--qb-cuda-graph``
+  says), ``+torch-rounds`` (one-rank routing rounds as PyTorch ops instead of the Triton kernels,
+  ``quantile_capacity.ROUTING_KERNELS``), ``@LAYOUT`` (a ``tools/sweep_kda_kernels.py`` layout of the KDA
+  kernels in force while it runs, e.g. ``ours_full_16k@state-bv32``); they combine
+  (``ours_full_16k+eager@state-bv32``). A name may repeat: ``--variants
+  ours_full_16k,ours_full_16k+torch-rounds,ours_full_16k,ours_full_16k+torch-rounds`` is an ABAB comparison
+  in one process.
 
 The ours_full rows' capacity routing (``--qb-cuda-graph``, default ``auto``): on one GPU it runs without host
 reads and is replayed from CUDA graphs (``moe_qb_host_reads: false``, ``moe_qb_cuda_graph: true``: the
@@ -63,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
 
 VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
-EAGER_SUFFIX = "+eager"  # the same row with HybridConfig's capacity-routing defaults, for that row only
+ROW_OPTIONS = ("eager", "torch-rounds")  # ``+OPTION`` of an ours_full row: see the module docstring
 DEFAULT_OUT = "docs/bench/e2e-h200.json"
 GPU_SIZES = dict(
     model=dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=64,
@@ -80,19 +82,23 @@ STOCK_AUX_LOSS = 1e-2
 PROFILE_ACTIVE_STEPS = 3
 
 
-def split_variant(name: str) -> tuple[str, bool, str | None]:
-    """``base[+eager][@layout]`` -> (base row, eager routing, KDA kernel layout or None)."""
-    base, _, layout = name.partition("@")
-    return base.removesuffix(EAGER_SUFFIX), base.endswith(EAGER_SUFFIX), layout or None
+def split_variant(name: str) -> tuple[str, frozenset[str], str | None]:
+    """``base[+option...][@layout]`` -> (base row, its options, KDA kernel layout or None)."""
+    head, _, layout = name.partition("@")
+    base, *options = head.split("+")
+    return base, frozenset(options), layout or None
 
 
 def variant_problem(name: str) -> str | None:
     """Why ``name`` is not a row this script knows (None when it is)."""
-    base, eager, layout = split_variant(name)
+    base, options, layout = split_variant(name)
     if base not in VARIANTS:
         return f"unknown row {base!r}; known: {', '.join(VARIANTS)}"
-    if (eager or layout) and not base.startswith("ours_full"):
-        return "+eager and @layout apply to the ours_full rows (capacity routing, KDA) only"
+    unknown = sorted(options - set(ROW_OPTIONS))
+    if unknown:
+        return f"unknown option {'+' + unknown[0]!r}; known: {', '.join('+' + o for o in ROW_OPTIONS)}"
+    if (options or layout) and not base.startswith("ours_full"):
+        return "+options and @layout apply to the ours_full rows (capacity routing, KDA) only"
     if layout is not None:
         from tools.sweep_kda_kernels import CONFIGS
 
@@ -101,14 +107,21 @@ def variant_problem(name: str) -> str | None:
     return None
 
 
-def kda_layout(name: str):
-    """A context with the row's KDA kernel layout (``@layout``) in force, chunk.py's constants restored after."""
-    layout = split_variant(name)[2]
-    if layout is None:
-        return contextlib.nullcontext()
-    from tools.sweep_kda_kernels import CONFIGS, layout as kernel_layout
+@contextlib.contextmanager
+def row_layout(name: str):
+    """The row's KDA kernel layout (``@layout``) and routing rounds (``+torch-rounds``) in force inside, the
+    module constants restored after."""
+    _, options, layout = split_variant(name)
+    with contextlib.ExitStack() as stack:
+        if layout is not None:
+            from tools.sweep_kda_kernels import CONFIGS, layout as kernel_layout
 
-    return kernel_layout(dict(CONFIGS)[layout])
+            stack.enter_context(kernel_layout(dict(CONFIGS)[layout]))
+        if "torch-rounds" in options:
+            from megatron_ext.moe import quantile_capacity
+
+            stack.enter_context(bench_common.constants_layout(quantile_capacity, {"ROUTING_KERNELS": False}))
+        yield
 
 
 def parse_args(argv=None):
@@ -235,7 +248,7 @@ def build_stock_chunks(config, sizes: dict, seq: int, attention: str) -> list:
 
 def routing_layout(name: str, args, cuda: bool) -> tuple[bool | None, bool]:
     """(moe_qb_host_reads, moe_qb_cuda_graph) of an ours_full row: see the module docstring."""
-    if split_variant(name)[1]:
+    if "eager" in split_variant(name)[1]:
         return None, False
     graphed = args.qb_cuda_graph == "on" or (args.qb_cuda_graph == "auto" and cuda and dist.get_world_size() == 1
                                               and args.qb_host_reads is not True)
@@ -286,7 +299,7 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
 
     world = dist.get_world_size()
     seq, micro_batch = variant_shape(name, args.sizes)
-    base, _, layout = split_variant(name)
+    base, options, layout = split_variant(name)
     row = {"name": name, "gpus": world, "seq": seq, "micro_batch": micro_batch}
     if base == "stock":
         row["attention"] = "DotProductAttention" if args.stock_attention == "dpa" else "SDPA"
@@ -296,8 +309,9 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
         if base.startswith("ours_full"):
             row["qb_host_reads"], row["qb_cuda_graph"] = config.moe_qb_host_reads, config.moe_qb_cuda_graph
             row["kda_layout"] = layout or "default"
+            row["routing_rounds"] = "torch" if "torch-rounds" in options else "triton"
         steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
-        with kda_layout(name):
+        with row_layout(name):
             timing = bench_common.time_training_step(
                 build, config, args.sizes["vocab"], seq, micro_batch, warmup, steps, after_step=after_step,
                 profiler=profiler, fast_step=base != "stock",

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_ext.moe import quantile_capacity
 from megatron_ext.moe.quantile import (
     capacity_routing,
     dual_bias_histogram,
@@ -35,6 +36,7 @@ from megatron_ext.moe.quantile import (
     dual_bias_update,
     topk_routing,
 )
+from tools import bench_common
 
 
 def parse_args(argv=None):
@@ -96,10 +98,16 @@ def main(argv=None):
         "torch.topk": (lambda: scores.topk(k, dim=1), None),
         "topk_routing": (lambda: topk_routing(scores, k), lambda: load_stats(topk_routing(scores, k))),
     }
+    no_reads = {"no-reads torch": False} | ({"no-reads triton": True} if device.type == "cuda" else {})
     for cf in args.capacity_factor:
         def run(cf=cf):
             return capacity_routing(scores, k, cf, num_bins=args.num_bins)
         ops[f"capacity_routing cf={cf:g}"] = (run, lambda run=run: load_stats(run()))
+        for label, kernels in no_reads.items():  # the one-rank rounds without host reads, both kinds
+            def run_no_reads(cf=cf, kernels=kernels):
+                with bench_common.constants_layout(quantile_capacity, {"ROUTING_KERNELS": kernels}):
+                    return capacity_routing(scores, k, cf, num_bins=args.num_bins, host_reads=False)
+            ops[f"cf={cf:g} {label}"] = (run_no_reads, lambda run=run_no_reads: load_stats(run()))
     ops["dual_bias_histogram"] = (lambda: dual_bias_histogram(scores, bias, k, lo, hi, args.num_bins), None)
     ops["dual_bias_update"] = (lambda: dual_bias_update(counts, lo, hi, k), None)
 

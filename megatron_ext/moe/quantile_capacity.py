@@ -29,7 +29,8 @@ which says whether a token could still move; only then does each further round r
 always run, so a token that could still move after them is dropped (the result of ``host_reads=True``
 with ``max_rounds = 1 + device_rounds``), and the kept-pair count stays on the device (a one-rank
 dispatcher then keeps static ``[N k]`` buffers): the layer has no host sync, as CUDA-graph capture
-needs. By itself it did not speed up the all-techniques benchmark step on the H200, which is bound by
+needs. On one CUDA rank these rounds run as Triton kernels (``ROUTING_KERNELS``; ``kernels/moe_routing``). By
+itself it did not speed up the all-techniques benchmark step on the H200, which is bound by
 the host's launch rate rather than by these reads (docs/quantile_balancing.md, "Host reads").
 """
 
@@ -50,6 +51,11 @@ __all__ = ["expert_capacity", "capacity_routing"]
 # Overflow rounds run between an over-subscribed call's two host reads (capacity_routing's device_rounds
 # default): each costs ~40 small launches on [N, E] whether or not anything is left to move.
 DEVICE_ROUNDS = 2
+
+# One-rank CUDA routing without host reads runs its rounds as Triton kernels (kernels/moe_routing: three
+# launches per round instead of ~40 PyTorch ops; the same result up to the order among equal biased scores).
+# False: the PyTorch ops below (the benchmarks' ``+torch-rounds`` rows).
+ROUTING_KERNELS = True
 
 
 def expert_capacity(num_tokens_global: int, k: int, num_experts: int, capacity_factor: float) -> int:
@@ -127,6 +133,14 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
 
 def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds, device_rounds, host_reads):
     num_tokens, num_experts = scores.shape
+    overflow_rounds = device_rounds if max_rounds is None else min(device_rounds, max_rounds - 1)
+    if ROUTING_KERNELS and not host_reads and group is None and scores.is_cuda and num_tokens > 0:
+        from kernels.moe_routing import capacity_rounds
+
+        capacity = expert_capacity(num_tokens, k, num_experts, capacity_factor)
+        experts, dropped, rerouted, load = capacity_rounds(scores, k, capacity, bias, num_bins, (lo, hi),
+                                                           1 + overflow_rounds)
+        return _Result(experts, dropped, rerouted, load, 1 + overflow_rounds, False, None)
     eb = num_experts * num_bins
     biased = biased_scores(scores, bias)
     # Round 1: every token proposes its plain top-k; bins come from the unbiased scores (the
@@ -156,7 +170,6 @@ def _route(scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_rounds
         kept = _read(_kept_pairs(free, k))[0] if host_reads else None
         return _Result(experts, free.sum(), torch.zeros_like(demand[0]), capacity - room, 1, False, kept)
     overflow = _Overflow(scores, biased, experts, room, k, num_bins, lo, hi, group)
-    overflow_rounds = device_rounds if max_rounds is None else min(device_rounds, max_rounds - 1)
     for _ in range(overflow_rounds):
         overflow.step()
     if not host_reads:

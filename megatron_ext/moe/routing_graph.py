@@ -1,10 +1,10 @@
 """Capacity routing replayed from CUDA graphs (``moe_qb_cuda_graph``).
 
 Without host reads (``moe_qb_host_reads: false``) and with a one-rank capacity group, one capacity-routing
-call is a fixed sequence of tiny kernels on ``[N, E]``: ~20 launches when round 1 admits everything, ~160
-with two overflow rounds (N = 16384, E = 64, k = 8). In the all-techniques benchmark step most layers
-overflow, so the routing is about 40% of the step's ~3,000 launches, on a step bound by the host's launch
-rate (docs/quantile_balancing.md, "Host reads"). Captured once per shape, a call becomes one copy of the
+call is a fixed sequence of small kernels on ``[N, E]``: ~12 launches with its rounds as Triton kernels
+(``quantile_capacity.ROUTING_KERNELS``), ~160 as PyTorch ops with two overflow rounds (N = 16384, E = 64,
+k = 8), which were about 40% of the all-techniques benchmark step's ~3,000 launches on a step bound by the
+host's launch rate (docs/quantile_balancing.md, "Host reads"). Captured once per shape, a call becomes one copy of the
 scores into the graph's input and one graph launch; the gates, the only differentiable part, are computed
 outside the graph from the unbiased scores as :func:`capacity_routing` does.
 

@@ -240,13 +240,16 @@ def test_cuda_graph_routing_needs_no_host_reads_and_falls_back_off_cuda():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capacity_routing_equals_eager_and_sees_the_bias_in_place():
+@pytest.mark.parametrize("routing_kernels", [True, False], ids=["triton-rounds", "torch-rounds"])
+def test_cuda_graph_capacity_routing_equals_eager_and_sees_the_bias_in_place(routing_kernels, monkeypatch):
     """Replayed from a CUDA graph: the eager ``capacity_routing(host_reads=False)`` result on new scores
     every call, an in-place bias update seen by the graph, outputs that later replays do not overwrite,
-    and no host sync."""
+    and no host sync; with the rounds as Triton kernels and as PyTorch ops."""
+    from megatron_ext.moe import quantile_capacity
     from megatron_ext.moe.routing_graph import CapacityRoutingGraphs
     from tests.moe.test_quantile_capacity import skewed_scores
 
+    monkeypatch.setattr(quantile_capacity, "ROUTING_KERNELS", routing_kernels)
     graphs = CapacityRoutingGraphs()
     bias = torch.zeros(64, device="cuda")
     kept = []

@@ -1,10 +1,13 @@
 """tools/bench_e2e.py --smoke: every variant's training step on the CPU, the JSON, the profile table."""
 
 import json
+import re
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tools.bench_e2e import VARIANTS, format_table, write_json
 
@@ -80,7 +83,6 @@ def test_two_gpu_rows_get_their_scaling_efficiency(tmp_path):
 
 
 def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(capsys, monkeypatch):
-    import pytest
     import torch.distributed as dist
 
     from tools.bench_e2e import GPU_SIZES, parse_args, routing_layout, variant_shape
@@ -118,17 +120,31 @@ def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(
     assert layout("ours_full_16k") == (None, False)
 
 
-def test_kda_layout_rows_apply_their_layout_inside_and_restore_it():
-    """``ours_full_16k@state-bv32``: the sweep layout's chunk.py constants hold while that row runs only."""
+def test_row_layouts_apply_their_kernels_inside_and_restore_them():
+    """``ours_full_16k+torch-rounds@state-bv32``: the sweep layout's chunk.py constants and the PyTorch routing
+    rounds hold while that row runs only."""
     import kernels.kda.chunk as chunk
-    from tools.bench_e2e import kda_layout, parse_args, split_variant
+    from megatron_ext.moe import quantile_capacity
+    from tools.bench_e2e import parse_args, row_layout, split_variant
 
-    name = "ours_full_16k+eager@state-bv32"
+    name = "ours_full_16k+eager+torch-rounds@state-bv32"
     assert parse_args(["--variants", name]).variants == [name]
-    assert split_variant(name) == ("ours_full_16k", True, "state-bv32")
+    assert split_variant(name) == ("ours_full_16k", {"eager", "torch-rounds"}, "state-bv32")
     before = chunk.STATE_CONFIGS
-    with kda_layout(name):
+    assert quantile_capacity.ROUTING_KERNELS
+    with row_layout(name):
         assert [config["BV"] for config in chunk.STATE_CONFIGS] == [32]
-    assert chunk.STATE_CONFIGS == before
-    with kda_layout("ours_full_16k"):  # no layout: nothing changes
-        assert chunk.STATE_CONFIGS == before
+        assert not quantile_capacity.ROUTING_KERNELS
+    assert chunk.STATE_CONFIGS == before and quantile_capacity.ROUTING_KERNELS
+    with row_layout("ours_full_16k"):  # no options, no layout: nothing changes
+        assert chunk.STATE_CONFIGS == before and quantile_capacity.ROUTING_KERNELS
+
+
+@pytest.mark.parametrize("name,message", [("ours_full+fast", "unknown option '\\+fast'"),
+                                          ("ours_base+torch-rounds", "apply to the ours_full rows")])
+def test_unknown_or_misplaced_row_options_are_refused(name, message, capsys):
+    from tools.bench_e2e import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", name])
+    assert re.search(message, capsys.readouterr().err)
