@@ -24,7 +24,8 @@ Variants (``--variants``, default all):
 * A/B rows, not in the default list, ``NAME[+OPTION...][@LAYOUT]`` on an ours_full row: ``+eager``
   (HybridConfig's capacity-routing defaults, host reads on and no CUDA graphs, whatever ``--qb-cuda-graph``
   says), ``+torch-rounds`` (one-rank routing rounds as PyTorch ops instead of the Triton kernels,
-  ``quantile_capacity.ROUTING_KERNELS``), ``@LAYOUT`` (a ``tools/sweep_kda_kernels.py`` layout of the KDA
+  ``quantile_capacity.ROUTING_KERNELS``), ``+no-attnres`` (standard residuals instead of Block AttnRes: the
+  technique's overhead on this model), ``@LAYOUT`` (a ``tools/sweep_kda_kernels.py`` layout of the KDA
   kernels in force while it runs, e.g. ``ours_full_16k@state-bv32``); they combine
   (``ours_full_16k+eager@state-bv32``). A name may repeat: ``--variants
   ours_full_16k,ours_full_16k+torch-rounds,ours_full_16k,ours_full_16k+torch-rounds`` is an ABAB comparison
@@ -65,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
 
 VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
-ROW_OPTIONS = ("eager", "torch-rounds")  # ``+OPTION`` of an ours_full row: see the module docstring
+ROW_OPTIONS = ("eager", "torch-rounds", "no-attnres")  # ``+OPTION`` of an ours_full row: see the module docstring
 DEFAULT_OUT = "docs/bench/e2e-h200.json"
 GPU_SIZES = dict(
     model=dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=64,
@@ -189,15 +190,16 @@ def _dtype(cuda: bool) -> torch.dtype:
 
 
 def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_rounds: int | None = None,
-                qb_host_reads: bool | None = None, qb_cuda_graph: bool = False):
-    """Our ``HybridConfig``: plain (full attention, top-k) or with KDA 3:1, qb_both and AttnRes."""
+                qb_host_reads: bool | None = None, qb_cuda_graph: bool = False, attn_res: bool = True):
+    """Our ``HybridConfig``: plain (full attention, top-k) or with KDA 3:1, qb_both and AttnRes (unless
+    ``attn_res`` is False)."""
     from megatron_ext.config import HybridConfig
 
     model = sizes["model"]
     extra = dict(
         attention_pattern="KKKA", kda_head_dim=model["hidden_size"] // model["num_attention_heads"],
         moe_balancer="qb_both", moe_expert_capacity_factor=CAPACITY_FACTOR,
-        attn_res=True, attn_res_num_blocks=sizes["attn_res_blocks"],
+        attn_res=attn_res, attn_res_num_blocks=sizes["attn_res_blocks"],
     ) if techniques else dict(attention_pattern="A", moe_balancer="none")
     if techniques and qb_device_rounds is not None:
         extra["moe_qb_device_rounds"] = qb_device_rounds
@@ -264,7 +266,7 @@ def variant_setup(name: str, args, cuda: bool):
 
     sizes = args.sizes
     seq, micro_batch = variant_shape(name, sizes)
-    row_base = split_variant(name)[0]
+    row_base, options, _ = split_variant(name)
     base = ours_config(sizes, seq, techniques=False, cuda=cuda)
     if row_base == "stock":
         config = stock_config(sizes, cuda)
@@ -272,7 +274,8 @@ def variant_setup(name: str, args, cuda: bool):
                 config, None, base, seq, micro_batch)
     host_reads, graphed = routing_layout(name, args, cuda)
     config = ours_config(sizes, seq, techniques=row_base.startswith("ours_full"), cuda=cuda,
-                         qb_device_rounds=args.qb_device_rounds, qb_host_reads=host_reads, qb_cuda_graph=graphed)
+                         qb_device_rounds=args.qb_device_rounds, qb_host_reads=host_reads, qb_cuda_graph=graphed,
+                         attn_res="no-attnres" not in options)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def after_step(chunks):  # once per optimizer step, as launch/train.py does
@@ -310,6 +313,7 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
             row["qb_host_reads"], row["qb_cuda_graph"] = config.moe_qb_host_reads, config.moe_qb_cuda_graph
             row["kda_layout"] = layout or "default"
             row["routing_rounds"] = "torch" if "torch-rounds" in options else "triton"
+            row["attn_res"] = config.attn_res
         steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
         with row_layout(name):
             timing = bench_common.time_training_step(

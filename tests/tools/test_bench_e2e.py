@@ -148,3 +148,23 @@ def test_unknown_or_misplaced_row_options_are_refused(name, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--variants", name])
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_no_attnres_rows_build_the_same_model_with_standard_residuals(monkeypatch):
+    """``ours_full+no-attnres``: AttnRes off, everything else as the ours_full row (its overhead A/B)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from tools.bench_e2e import SMOKE_SIZES, ours_config, parse_args, split_variant
+
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    assert parse_args(["--variants", "ours_full_16k+no-attnres"]).variants == ["ours_full_16k+no-attnres"]
+    assert "no-attnres" in split_variant("ours_full_16k+no-attnres")[1]
+    with_attn_res = ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False)
+    without = ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False, attn_res=False)
+    assert with_attn_res.attn_res and not without.attn_res
+    differing = {f.name for f in dataclasses.fields(without)
+                 if not callable(getattr(without, f.name))  # init functions: a new closure per config
+                 and getattr(without, f.name) != getattr(with_attn_res, f.name)}
+    assert differing == {"attn_res"}
