@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
-from tools.sweep_attnres_kernels import layout  # noqa: E402
+from tools.sweep_attnres_kernels import layout, layout_changes  # noqa: E402
 
 DEFAULT_OUT = "docs/bench/attnres-h200.json"
 GPU_MODEL = dict(
@@ -102,9 +102,7 @@ def parse_args(argv=None):
     bad = [part for name in args.ab_kernel for part in name.split("+") if part not in known]
     if bad:
         p.error(f"--ab-kernel: unknown layouts {bad}; known: {', '.join(known)}")
-    # a+b: both layouts' changes (a forward and a backward one together)
-    args.kernel_layouts = {name: {k: v for part in name.split("+") for k, v in known[part].items()}
-                           for name in args.ab_kernel}
+    args.kernel_layouts = {name: layout_changes(name) for name in args.ab_kernel}
     return args
 
 

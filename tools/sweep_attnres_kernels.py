@@ -94,6 +94,12 @@ KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_k
            "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}
 
 
+def layout_changes(name: str) -> dict:
+    """The constants of a layout name; ``a+b``: both layouts' changes (a forward and a backward one together)."""
+    configs = dict(CONFIGS)
+    return {key: value for part in name.split("+") for key, value in configs[part].items()}
+
+
 def layout(changes: dict):
     """fused.py with ``changes`` applied inside the block (also used by ``bench_attnres --ab-kernel``)."""
     return bench_common.constants_layout(fused, changes)

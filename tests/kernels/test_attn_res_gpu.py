@@ -159,17 +159,20 @@ def test_bf16_layer_block_grads_match_fp32(monkeypatch, kernel, paired, num_bloc
         assert _rel(got[i], want[i]) <= bound, f"block {i}: {_rel(got[i], want[i]):.3e} > {bound:.3e}"
 
 
+@pytest.mark.parametrize("kernel_layout", ["default", "fwd-pack+bwd-pipe1-pack"])
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("num_blocks", [1, 8])
-def test_bf16_preload_every_grad_as_precise_as_torch_bf16(monkeypatch, num_blocks, paired):
+def test_bf16_preload_every_grad_as_precise_as_torch_bf16(monkeypatch, num_blocks, paired, kernel_layout):
     # The default kernel takes the softmax backward's c from the sources (preload_bwd.py), and the second call
     # of a pair from its output saved in fp32 (function.py): every grad, the mixers' parameters included,
-    # within 2x the bf16 torch path's error (+ 5e-3).
+    # within 2x the bf16 torch path's error (+ 5e-3); also under the opt-in packed / pipelined layouts.
     import kernels.attn_res.fused as fused
+    from tools.sweep_attnres_kernels import layout, layout_changes
 
     monkeypatch.setattr(fused, "BACKWARD_KERNEL", "preload")
     run = _paired_layer_grads(num_blocks)
-    got = run(torch.bfloat16, "triton", paired)
+    with layout(layout_changes(kernel_layout)):
+        got = run(torch.bfloat16, "triton", paired)
     want, bf16_torch = run(torch.float32, "torch", False), run(torch.bfloat16, "torch", False)
     for i, (a, w, t) in enumerate(zip(got, want, bf16_torch)):
         if w.abs().max() > 0:  # the first mixer sees one source: its grads are exactly zero
