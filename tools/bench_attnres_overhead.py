@@ -1,26 +1,33 @@
-"""Host (Python) overhead of one depth-attention call, forward and backward, on the CPU.
+"""Host (Python) overhead of one depth-attention call, forward and backward.
 
-The Triton kernels are replaced by no-ops, so what is timed is only the wrapper: validation,
-the autograd Function, allocations, launch-parameter work and the small torch ops around the
-kernels (the CPU time that, in the training step, decides whether the CPU keeps ahead of the
-GPU). Tiny sources (``[8, 2, 128]``) keep the CPU allocator cheap, like CUDA's caching
-allocator. The Triton launch itself (``kernel[grid](...)``) is not included.
+Default (CPU): the Triton kernels are replaced by no-ops, so what is timed is only the wrapper:
+validation, the autograd Function, allocations, launch-parameter work and the small torch ops around
+the kernels (the CPU time that, in the training step, decides whether the CPU keeps ahead of the
+GPU). Tiny sources (``[8, 2, 128]``) keep the CPU allocator cheap, like CUDA's caching allocator. The
+Triton launch itself (``kernel[grid](...)``) is not included.
+
+``--cuda``: the real kernels on CUDA sources of 16 tokens at hidden 2048 (the benchmark's
+specialisations; the GPU work per call is a few microseconds, so the host sets the pace): wall time
+per call, Triton's launches included. The difference to the CPU rows is what the launches cost.
 
 Cases: n sources, as the model calls them: all but the last (the partial sum) given a
 ``SourceGrad`` ("tracked") or none ("plain"); through the public ``depth_attention`` and, where
 present, through ``depth_attention_unchecked`` (what ``DepthMixer`` calls after its first call).
 
-    python tools/bench_attnres_overhead.py [--reps 300]
+    python tools/bench_attnres_overhead.py [--reps 300] [--cuda]
 """
 
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # impl="triton" on CPU tensors
+import sys
+
+CUDA = "--cuda" in sys.argv[1:]
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # impl="triton" on CPU tensors
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -31,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.attn_res import depth_attention, track_source_grad  # noqa: E402
 from kernels.attn_res import fused  # noqa: E402
 
-SHAPE = (8, 2, 128)
+SHAPE = (16, 1, 2048) if CUDA else (8, 2, 128)
+DEVICE = "cuda" if CUDA else "cpu"
 
 
 class _NoLaunch:
@@ -52,17 +60,23 @@ CALLS_PER_GRAPH = 8  # mixers reading the same sources in one forward / backward
 
 
 def _time(fn, reps: int, trials: int = 5) -> float:
-    """µs per call: the best of ``trials`` timings (this thread's CPU time: torch runs on one thread
-    here, autograd runs CPU graphs on the calling thread) of ``reps`` graphs (a shared machine's noise
-    only ever adds time)."""
+    """µs per call: the best of ``trials`` timings of ``reps`` graphs (a shared machine's noise only ever
+    adds time). CPU: this thread's CPU time (torch runs on one thread here, autograd runs CPU graphs on the
+    calling thread); CUDA: wall time from a synchronised start to a synchronised end (a sync's spin would
+    count as CPU time)."""
+    clock = time.perf_counter if CUDA else time.thread_time
     for _ in range(min(50, reps)):
         fn()
     best = float("inf")
     for _ in range(trials):
-        start = time.thread_time()
+        if CUDA:
+            torch.cuda.synchronize()
+        start = clock()
         for _ in range(reps):
             fn()
-        best = min(best, time.thread_time() - start)
+        if CUDA:
+            torch.cuda.synchronize()
+        best = min(best, clock() - start)
     return best / reps / CALLS_PER_GRAPH * 1e6
 
 
@@ -70,12 +84,14 @@ def measure(n: int, tracked: bool, reps: int, via_mixer: bool) -> tuple[float, f
     """(forward µs, forward + backward µs) per call: ``CALLS_PER_GRAPH`` calls (each with its own
     query and norm weight, as the model's mixers) read the same n sources; one backward over all
     of them (autograd sums the untracked sources' grads; the tracked ones are summed in place)."""
-    leaves = [torch.randn(SHAPE, requires_grad=True) for _ in range(n)]
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    leaves = [torch.randn(SHAPE, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(n)]
     params = [
-        (torch.zeros(SHAPE[-1], requires_grad=True), torch.ones(SHAPE[-1], requires_grad=True))
+        (torch.zeros(SHAPE[-1], device=DEVICE, requires_grad=True),
+         torch.ones(SHAPE[-1], device=DEVICE, requires_grad=True))
         for _ in range(CALLS_PER_GRAPH)
     ]
-    grad_out = torch.ones(SHAPE)
+    grad_out = torch.ones(SHAPE, device=DEVICE, dtype=dtype)
     unchecked = None
     if via_mixer:
         from kernels.attn_res import depth_attention_unchecked as unchecked
@@ -100,8 +116,10 @@ def measure(n: int, tracked: bool, reps: int, via_mixer: bool) -> tuple[float, f
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=100)
+    p.add_argument("--cuda", action="store_true", help="real kernels on CUDA (read before the parse: see CUDA)")
     args = p.parse_args(argv)
-    _patch_kernels()
+    if not args.cuda:
+        _patch_kernels()
     torch.set_num_threads(1)
     try:
         from kernels.attn_res import depth_attention_unchecked  # noqa: F401
