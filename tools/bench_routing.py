@@ -7,7 +7,9 @@ offsets (so capacity mode has real overflow work), on CUDA when present. Ops:
 * ``topk_routing``: top-k + gates, the baseline the ratios are against;
 * ``capacity_routing`` at each ``--capacity-factor`` (one process: no collectives timed;
   add one ``E x num_bins`` int64 all-reduce per round, see docs/quantile_balancing.md), with
-  its round count (``rounds``; 1 for the top-k rows);
+  its round count (``rounds``; 1 for the top-k rows): with host reads (rounds until nothing
+  moves) and without (three rounds), each with the rounds as PyTorch ops (``torch``) and, on
+  CUDA, as the Triton kernels (``triton``, ``quantile_capacity.ROUTING_KERNELS*``);
 * ``dual_bias_histogram`` (per microbatch) and ``dual_bias_update`` (per step).
 
 Times are medians over ``--repeats`` calls (CUDA-synchronised). Prints a table and writes
@@ -98,16 +100,18 @@ def main(argv=None):
         "torch.topk": (lambda: scores.topk(k, dim=1), None),
         "topk_routing": (lambda: topk_routing(scores, k), lambda: load_stats(topk_routing(scores, k))),
     }
-    no_reads = {"no-reads torch": False} | ({"no-reads triton": True} if device.type == "cuda" else {})
+    # (label, host reads, quantile_capacity's kernel switches): the one-rank rounds as PyTorch ops / Triton kernels
+    torch_rounds = {"ROUTING_KERNELS": False}
+    triton_rounds = {"ROUTING_KERNELS": True, "ROUTING_KERNELS_WITH_READS": True}
+    kinds = [("reads torch", True, torch_rounds), ("no-reads torch", False, torch_rounds)]
+    if device.type == "cuda":
+        kinds += [("reads triton", True, triton_rounds), ("no-reads triton", False, triton_rounds)]
     for cf in args.capacity_factor:
-        def run(cf=cf):
-            return capacity_routing(scores, k, cf, num_bins=args.num_bins)
-        ops[f"capacity_routing cf={cf:g}"] = (run, lambda run=run: load_stats(run()))
-        for label, kernels in no_reads.items():  # the one-rank rounds without host reads, both kinds
-            def run_no_reads(cf=cf, kernels=kernels):
-                with bench_common.constants_layout(quantile_capacity, {"ROUTING_KERNELS": kernels}):
-                    return capacity_routing(scores, k, cf, num_bins=args.num_bins, host_reads=False)
-            ops[f"cf={cf:g} {label}"] = (run_no_reads, lambda run=run_no_reads: load_stats(run()))
+        for label, host_reads, switches in kinds:
+            def run(cf=cf, host_reads=host_reads, switches=switches):
+                with bench_common.constants_layout(quantile_capacity, switches):
+                    return capacity_routing(scores, k, cf, num_bins=args.num_bins, host_reads=host_reads)
+            ops[f"capacity cf={cf:g} {label}"] = (run, lambda run=run: load_stats(run()))
     ops["dual_bias_histogram"] = (lambda: dual_bias_histogram(scores, bias, k, lo, hi, args.num_bins), None)
     ops["dual_bias_update"] = (lambda: dual_bias_update(counts, lo, hi, k), None)
 
@@ -122,12 +126,12 @@ def main(argv=None):
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {device_name}   N={n} E={e} k={k} bins={args.num_bins} skew={args.skew}")
-    print(f"{'op':<28}{'ms (median)':>12}{'x topk_routing':>16}{'MaxVio':>8}{'dropped':>9}{'rerouted':>10}"
+    print(f"{'op':<34}{'ms (median)':>12}{'x topk_routing':>16}{'MaxVio':>8}{'dropped':>9}{'rerouted':>10}"
           f"{'rounds':>8}")
     for row in rows:
         extra = (f"{row['max_vio']:>8.3f}{row['dropped']:>9d}{row['rerouted']:>10d}{row['rounds']:>8d}"
                  if "max_vio" in row else "")
-        print(f"{row['op']:<28}{row['ms']:>12.3f}{row['vs_topk_routing']:>16.2f}{extra}")
+        print(f"{row['op']:<34}{row['ms']:>12.3f}{row['vs_topk_routing']:>16.2f}{extra}")
     if args.out:
         result = {
             "device": device_name, "torch": torch.__version__,

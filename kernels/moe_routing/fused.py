@@ -1,7 +1,9 @@
-"""Triton rounds of one-rank capacity routing: three kernels per round instead of ~40 PyTorch ops.
+"""Triton rounds of one-rank capacity routing: two kernels per round instead of ~40 PyTorch ops.
 
-State between kernels, all on the device: ``held [N, E]`` int8 (token n holds expert e), ``room [E]``
-int32, one ``[E, num_bins]`` int32 histogram per round, ``proposals [N, E]`` int8 (this round's).
+State between kernels, all on the device (:class:`KernelRounds`): ``held [N, E]`` int8 (token n holds expert
+e), ``room [E]`` int32, the round's ``[E, num_bins]`` int32 histogram (the admit kernel zeroes its row after
+reading it, ready for the next round), ``proposals [N, E]`` int8 (this round's), and what a host read may
+ask after a round: per round ``flags = (anyone proposed, an expert refused)``, and the pairs admitted so far.
 
 * ``propose_kernel`` (program per TOKEN_TILE / E tokens): walks each token's preference order
   (``argsort`` of the biased scores, stable, best first), proposes to the first ``k - held`` experts it
@@ -9,7 +11,8 @@ int32, one ``[E, num_bins]`` int32 histogram per round, ``proposals [N, E]`` int
 * ``admit_kernel`` (program per expert): from its histogram row, the boundary bin ``b`` (the first whose
   running count from the lowest bin exceeds the excess ``demand - room``) and the quota admitted inside
   it; then one scan over the tokens in blocks of ADMIT_TOKENS: bins above ``b`` are admitted, bin ``b``
-  in token order up to the quota. The expert's best ``room`` proposals, as ``quantile_capacity._admit``.
+  in token order up to the quota. The expert's best ``room`` proposals, as ``quantile_rounds._admit``.
+  It also updates ``room``, the round's flags and the admitted count.
 * ``result_kernel`` (program per TOKEN_TILE / E tokens): held experts in preference order, then -1;
   dropped and rerouted counts (int64 atomics); program 0 also writes the per-expert load.
 """
@@ -49,11 +52,12 @@ def propose_kernel(scores, preference, held, room, proposals, hist, N, lo, scale
 
 
 @triton.jit
-def admit_kernel(scores, held, room, proposals, hist, N, lo, scale, E: tl.constexpr, NUM_BINS: tl.constexpr,
-                 BINS_P: tl.constexpr, BT: tl.constexpr):
+def admit_kernel(scores, held, room, proposals, hist, flags, admitted, N, lo, scale, E: tl.constexpr,
+                 NUM_BINS: tl.constexpr, BINS_P: tl.constexpr, BT: tl.constexpr):
     e = tl.program_id(0)
     b = tl.arange(0, BINS_P)
     counts = tl.load(hist + e * NUM_BINS + b, mask=b < NUM_BINS, other=0)
+    tl.store(hist + e * NUM_BINS + b, tl.zeros([BINS_P], tl.int32), mask=b < NUM_BINS)  # the next round's
     cum = tl.cumsum(counts, 0)
     demand = tl.sum(counts, 0)
     room_e = tl.load(room + e)
@@ -61,6 +65,9 @@ def admit_kernel(scores, held, room, proposals, hist, N, lo, scale, E: tl.conste
     boundary = tl.minimum(tl.sum((cum <= excess).to(tl.int32), 0), NUM_BINS - 1)
     quota = tl.sum(tl.where(b == boundary, cum, 0), 0) - excess
     tl.store(room + e, room_e - tl.minimum(demand, room_e))
+    tl.atomic_add(admitted, tl.minimum(demand, room_e), mask=demand > 0, sem="relaxed")
+    tl.atomic_max(flags, 1, mask=demand > 0, sem="relaxed")
+    tl.atomic_max(flags + 1, 1, mask=excess > 0, sem="relaxed")
     if demand > 0:
         taken = quota * 0  # boundary-bin proposals of earlier token blocks
         for start in range(0, N, BT):
@@ -102,30 +109,59 @@ def tokens_per_program(num_experts):
     return max(1, TOKEN_TILE // triton.next_power_of_2(num_experts))
 
 
+class KernelRounds:
+    """The rounds' device state for fp32 ``scores [N, E]`` (contiguous, N >= 1) and a per-expert ``capacity``;
+    ``step()`` runs one round (round 1 is the round with nothing held: the plain top-k), at most ``max_steps``.
+    After a step, without a host read: ``flags[s]`` (int32 ``[2]``: someone proposed, an expert refused) of
+    step s and ``admitted`` (int32 ``[1]``: pairs held so far)."""
+
+    def __init__(self, scores, k, capacity, bias, num_bins, score_range, max_steps):
+        num_tokens, num_experts = scores.shape
+        device = scores.device
+        biased = scores if bias is None else scores + bias
+        self.scores, self.k, self.capacity, self.num_bins = scores, k, capacity, num_bins
+        self.preference = biased.argsort(dim=1, descending=True, stable=True).to(torch.int32)
+        self.held = torch.zeros(num_tokens, num_experts, dtype=torch.int8, device=device)
+        self.proposals = torch.empty_like(self.held)
+        self.room = torch.full((num_experts,), capacity, dtype=torch.int32, device=device)
+        self.hist = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
+        self.flags = torch.zeros(max_steps, 2, dtype=torch.int32, device=device)
+        self.admitted = torch.zeros(1, dtype=torch.int32, device=device)
+        self.steps = 0
+        self.lo, hi = score_range
+        self.scale = num_bins / (hi - self.lo)  # passed as fp32, as histogram_bins' multiply rounds it
+        self.token_grid = (triton.cdiv(num_tokens, tokens_per_program(num_experts)),)
+        self.token_tile = dict(EP=triton.next_power_of_2(num_experts), BN=tokens_per_program(num_experts))
+
+    def step(self) -> None:
+        if self.steps == self.flags.shape[0]:
+            raise RuntimeError(f"KernelRounds: max_steps={self.steps} rounds already ran")
+        num_tokens, num_experts = self.held.shape
+        shape = dict(E=num_experts, NUM_BINS=self.num_bins, num_warps=NUM_WARPS)
+        propose_kernel[self.token_grid](self.scores, self.preference, self.held, self.room, self.proposals, self.hist,
+                                        num_tokens, self.lo, self.scale, K=self.k, **self.token_tile, **shape)
+        admit_kernel[(num_experts,)](self.scores, self.held, self.room, self.proposals, self.hist,
+                                     self.flags[self.steps], self.admitted, num_tokens, self.lo, self.scale,
+                                     BINS_P=triton.next_power_of_2(self.num_bins), BT=ADMIT_TOKENS, **shape)
+        self.steps += 1
+
+    def result(self):
+        """int64 (experts ``[N, k]``: held experts in preference order, then -1; dropped pairs; rerouted pairs,
+        held outside the token's plain top-k; per-expert load ``[E]``)."""
+        num_tokens, num_experts = self.held.shape
+        experts = torch.empty(num_tokens, self.k, dtype=torch.int64, device=self.held.device)
+        counts = torch.zeros(2, dtype=torch.int64, device=self.held.device)  # dropped, rerouted
+        load = torch.empty(num_experts, dtype=torch.int64, device=self.held.device)
+        result_kernel[self.token_grid](self.preference, self.held, self.room, experts, counts[0:], counts[1:], load,
+                                       num_tokens, self.capacity, E=num_experts, K=self.k, num_warps=NUM_WARPS,
+                                       **self.token_tile)
+        return experts, counts[0], counts[1], load
+
+
 def capacity_rounds(scores, k, capacity, bias=None, num_bins=1000, score_range=(0.0, 1.0), rounds=3):
-    """Launch ``rounds`` rounds on fp32 ``scores [N, E]`` (contiguous, N >= 1) -> (experts ``[N, k]``,
-    dropped, rerouted, load ``[E]``), int64, as :func:`kernels.moe_routing.naive.capacity_rounds_reference`."""
-    num_tokens, num_experts = scores.shape
-    device = scores.device
-    biased = scores if bias is None else scores + bias
-    preference = biased.argsort(dim=1, descending=True, stable=True).to(torch.int32)
-    held = torch.zeros(num_tokens, num_experts, dtype=torch.int8, device=device)
-    proposals = torch.empty_like(held)
-    room = torch.full((num_experts,), capacity, dtype=torch.int32, device=device)
-    hist = torch.zeros(rounds, num_experts, num_bins, dtype=torch.int32, device=device)
-    lo, hi = score_range
-    scale = num_bins / (hi - lo)  # passed as fp32, as histogram_bins' multiply rounds it
-    token_grid = (triton.cdiv(num_tokens, tokens_per_program(num_experts)),)
-    token_tile = dict(EP=triton.next_power_of_2(num_experts), BN=tokens_per_program(num_experts))
-    shape = dict(E=num_experts, NUM_BINS=num_bins, num_warps=NUM_WARPS)
-    for r in range(rounds):
-        propose_kernel[token_grid](scores, preference, held, room, proposals, hist[r], num_tokens, lo, scale, K=k,
-                                   **token_tile, **shape)
-        admit_kernel[(num_experts,)](scores, held, room, proposals, hist[r], num_tokens, lo, scale,
-                                     BINS_P=triton.next_power_of_2(num_bins), BT=ADMIT_TOKENS, **shape)
-    experts = torch.empty(num_tokens, k, dtype=torch.int64, device=device)
-    counts = torch.zeros(2, dtype=torch.int64, device=device)  # dropped, rerouted
-    load = torch.empty(num_experts, dtype=torch.int64, device=device)
-    result_kernel[token_grid](preference, held, room, experts, counts[0:], counts[1:], load, num_tokens, capacity,
-                              E=num_experts, K=k, num_warps=NUM_WARPS, **token_tile)
-    return experts, counts[0], counts[1], load
+    """``rounds`` rounds, no host read -> :meth:`KernelRounds.result`, as
+    :func:`kernels.moe_routing.naive.capacity_rounds_reference`."""
+    engine = KernelRounds(scores, k, capacity, bias, num_bins, score_range, rounds)
+    for _ in range(rounds):
+        engine.step()
+    return engine.result()

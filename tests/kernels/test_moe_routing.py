@@ -84,11 +84,77 @@ def test_saturated_scores_and_scores_outside_the_range_fill_the_edge_bins():
     assert got[1] == 90 * 3 and (got[0] == -1).all()
 
 
+@interpreter_case
+@pytest.mark.parametrize("host_reads,max_rounds,device_rounds", [
+    (True, None, 2),   # the default: reads after round 1 and after the device rounds, then one per round
+    (True, None, 0),   # every overflow round behind its own read
+    (True, 1, 2),      # round 1 only
+    (True, 3, 1),      # capped by max_rounds
+    (False, None, 2),  # no reads (what the CUDA graphs capture)
+    (False, 1, 2),
+])
+@pytest.mark.parametrize("capacity_factor", [0.7, 1.0, 4.0])  # 4.0: nobody over-subscribed, plain top-k
+def test_capacity_routing_on_the_kernels_equals_the_pytorch_rounds(monkeypatch, host_reads, max_rounds, device_rounds,
+                                                                   capacity_factor):
+    """quantile_capacity's protocol of rounds and host reads on the Triton rounds: the same routing, round count,
+    plain flag and kept-pair count as on the PyTorch rounds (gates too: they come from the same experts)."""
+    from megatron_ext.moe import quantile_capacity
+    from megatron_ext.moe.quantile import capacity_routing
+
+    scores, bias = make_scores(200, 16, 2.0, seed=7)
+    settings = dict(bias=bias, num_bins=50, max_rounds=max_rounds, device_rounds=device_rounds,
+                    host_reads=host_reads)
+    expected = capacity_routing(scores, 4, capacity_factor, **settings)  # CPU scores: the PyTorch rounds
+    monkeypatch.setattr(quantile_capacity, "_kernels_apply", lambda scores, group, host_reads: group is None)
+    got = capacity_routing(scores, 4, capacity_factor, **settings)
+    for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert (got.rounds, got.plain, got.num_kept) == (expected.rounds, expected.plain, expected.num_kept)
+    assert expected.plain == (capacity_factor == 4.0 and host_reads)
+    if host_reads and max_rounds is None and device_rounds == 0 and capacity_factor < 4.0:
+        assert expected.rounds > 1  # overflow rounds ran, each behind its own read
+
+
+@interpreter_case
+def test_an_expert_over_by_one_pair_is_not_plain_top_k(monkeypatch):
+    """8 tokens, top-1, 4 experts: capacity 2 and three tokens prefer expert 0. The first read must see its
+    single refusal (a plain result would put 3 pairs on expert 0) and the next round moves that token."""
+    from megatron_ext.moe import quantile_capacity
+    from megatron_ext.moe.quantile import capacity_routing
+
+    favourite = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3])
+    scores = (torch.rand(8, 4, generator=torch.Generator().manual_seed(1)) * 0.5).scatter_(1, favourite[:, None], 0.9)
+    monkeypatch.setattr(quantile_capacity, "_kernels_apply", lambda scores, group, host_reads: group is None)
+    got = capacity_routing(scores, 1, 1.0, num_bins=16)
+    assert not got.plain and got.rounds == 2 and got.rerouted == 1 and got.dropped == 0
+    assert torch.bincount(got.experts[:, 0], minlength=4).tolist() == [2, 2, 2, 2]
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="scores must be fp32"):
         capacity_rounds(torch.rand(4, 8, dtype=torch.float64), 2, 3)
     with pytest.raises(ValueError, match="rounds >= 1"):
         capacity_rounds(torch.rand(4, 8), 2, 3, rounds=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_experts", [64, 256])
+def test_capacity_routing_with_reads_on_the_kernels_equals_the_pytorch_rounds_on_gpu(monkeypatch, num_experts):
+    """The default eager call (host reads, rounds until nothing moves) on the Triton rounds
+    (``ROUTING_KERNELS_WITH_READS``) against the PyTorch rounds, at the benchmark's shapes."""
+    from megatron_ext.moe import quantile_capacity
+    from megatron_ext.moe.quantile import capacity_routing
+
+    scores, bias = make_scores(16384, num_experts, 2.0, seed=num_experts, device="cuda")
+    monkeypatch.setattr(quantile_capacity, "ROUTING_KERNELS", False)
+    expected = capacity_routing(scores, 8, 1.0, bias=bias)
+    monkeypatch.setattr(quantile_capacity, "ROUTING_KERNELS", True)
+    monkeypatch.setattr(quantile_capacity, "ROUTING_KERNELS_WITH_READS", True)
+    got = capacity_routing(scores, 8, 1.0, bias=bias)
+    for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert (got.rounds, got.plain, got.num_kept) == (expected.rounds, expected.plain, expected.num_kept)
+    assert not expected.plain and expected.rerouted > 0  # overflow rounds ran
 
 
 @pytest.mark.gpu
