@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import os
 import sys
 import traceback
 from pathlib import Path

@@ -52,7 +52,8 @@ def test_smoke_times_every_variant_and_profiles_one(tmp_path):
 
     table = out_md.read_text()
     assert "ours_full" in table and "| 1 | `" in table and "| 30 | `" in table
-    assert "Top 40 operators" in table and "| bwd: " in table and "host-side entries" in table  # the per-operator view names backward nodes
+    # the per-operator view names backward nodes
+    assert "Top 40 operators" in table and "| bwd: " in table and "host-side entries" in table
 
 
 def test_failed_row_is_shown_and_other_gpu_counts_are_kept(tmp_path):
