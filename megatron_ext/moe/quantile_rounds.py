@@ -134,6 +134,9 @@ class KernelRounds:
     def __init__(self, scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_steps):
         from kernels.moe_routing import kernel_rounds
 
+        if group is not None:
+            raise ValueError("KernelRounds routes one rank; a capacity group needs TorchRounds (its admission "
+                             "all-reduces between kernels)")
         num_tokens, num_experts = scores.shape
         capacity = expert_capacity(num_tokens, k, num_experts, capacity_factor)
         self.rounds = kernel_rounds(scores, k, capacity, bias, num_bins, (lo, hi), max_steps)
