@@ -15,7 +15,7 @@ sixteen times per chunk and ran the contractions as M = 16 dots.
 import triton
 import triton.language as tl
 
-from kernels.kda.intra import dot_split, load_tile, store_tile, to_dot
+from kernels.kda.intra import dot_split, gate_at_chunk_end, load_tile, store_tile, to_dot
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def inter_bwd_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, pq, pk, pG, dl
     store_tile(pq, d_q, t0, n, h, H, K, kc, BK)
     d_g = d_q * load_tile(q, t0, n, h, H, K, kc, BK)
     k_c = load_tile(k, t0, n, h, H, K, kc, BK)
-    g_last = tl.load(G + (t0 + n - 1) * H * K + h * K + d, mask=kmask, other=0.0)
+    g_last = gate_at_chunk_end(G, t0, n, h, H, K, d)
     d_k = d_kgl * tl.exp(tl.where(m2, g_last[None, :] - g_c, float("-inf")))
     to_last = d_k * k_c  # moves from row t to the chunk's last row (through Gl)
     d_g -= to_last

@@ -67,11 +67,17 @@ def store_tile(ptr, x, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
 
 
 @triton.jit
+def gate_at_chunk_end(G, t0, n, h, H, K: tl.constexpr, cols):
+    """G at the chunk's last token (t0 + n - 1), columns ``cols`` (zero from K on)."""
+    return tl.load(G + (t0 + n - 1) * H * K + h * K + cols, mask=cols < K, other=0.0)
+
+
+@triton.jit
 def key_decay_to_end(k, G, t0, n, h, H, K: tl.constexpr, BK: tl.constexpr):
     """(kgl = k * exp(G_last - G) [64, BK] fp32, zero past the chunk; G_last [BK])."""
     d = tl.arange(0, BK)
     g = load_tile(G, t0, n, h, H, K, 0, BK)
-    g_last = tl.load(G + (t0 + n - 1) * H * K + h * K + d, mask=d < K, other=0.0)
+    g_last = gate_at_chunk_end(G, t0, n, h, H, K, d)
     valid = (tl.arange(0, 64) < n)[:, None] & (d < K)[None, :]
     kgl = load_tile(k, t0, n, h, H, K, 0, BK) * tl.exp(tl.where(valid, g_last[None, :] - g, float("-inf")))
     return kgl, g_last

@@ -11,7 +11,7 @@ are serial, so whatever does not depend on the state is computed before, in para
 import triton
 import triton.language as tl
 
-from kernels.kda.intra import key_decay_to_end, to_dot
+from kernels.kda.intra import gate_at_chunk_end, key_decay_to_end, to_dot
 
 
 @triton.jit
@@ -66,9 +66,7 @@ def walk_operands_kernel(q, k, G, QG, KGL, chunk_start, chunk_len, scale, H, K: 
 def chunk_step_bounds(G, chunk_start, chunk_len, c, h, H, K: tl.constexpr, BK: tl.constexpr):
     """(first token, length, G at the last token [BK]) of chunk c."""
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
-    d = tl.arange(0, BK)
-    g_last = tl.load(G + (t0 + n - 1) * H * K + h * K + d, mask=d < K, other=0.0)
-    return t0, n, g_last
+    return t0, n, gate_at_chunk_end(G, t0, n, h, H, K, tl.arange(0, BK))
 
 
 @triton.jit
