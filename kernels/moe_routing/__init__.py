@@ -16,10 +16,10 @@ def capacity_rounds(scores, k, capacity, bias=None, num_bins=1000, score_range=(
     Returns int64 (experts ``[N, k]``: held experts by biased score, then -1; dropped pairs; rerouted pairs,
     those outside the token's plain top-k; per-expert load ``[E]``). Ties between equal biased scores go
     to the lower expert id."""
-    from kernels.moe_routing.fused import capacity_rounds as launch
-
-    _check(scores, rounds, capacity)
-    return launch(scores.contiguous(), k, capacity, bias, num_bins, score_range, rounds)
+    engine = kernel_rounds(scores, k, capacity, bias, num_bins, score_range, rounds)
+    for _ in range(rounds):
+        engine.step()
+    return engine.result()
 
 
 def kernel_rounds(scores, k, capacity, bias=None, num_bins=1000, score_range=(0.0, 1.0), max_steps=3):

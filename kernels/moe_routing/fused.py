@@ -156,12 +156,3 @@ class KernelRounds:
                                        num_tokens, self.capacity, E=num_experts, K=self.k, num_warps=NUM_WARPS,
                                        **self.token_tile)
         return experts, counts[0], counts[1], load
-
-
-def capacity_rounds(scores, k, capacity, bias=None, num_bins=1000, score_range=(0.0, 1.0), rounds=3):
-    """``rounds`` rounds, no host read -> :meth:`KernelRounds.result`, as
-    :func:`kernels.moe_routing.naive.capacity_rounds_reference`."""
-    engine = KernelRounds(scores, k, capacity, bias, num_bins, score_range, rounds)
-    for _ in range(rounds):
-        engine.step()
-    return engine.result()
