@@ -37,6 +37,7 @@ if "--smoke" in sys.argv:  # the Triton interpreter must be chosen before triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -94,6 +95,8 @@ def parse_args(argv=None):
                         "speed_patches.SMALL_TENSOR_NUMEL), in the same process: the adamw_per_tensor entry")
     p.add_argument("--profile", choices=("standard", "attnres"), default=None,
                    help="instead of timing: profile 3 training steps of one model, print kernel and operator tables")
+    p.add_argument("--profile-layout", default="", metavar="NAME",
+                   help="with --profile attnres: the depth-attention kernels in that --ab-kernel layout")
     args = p.parse_args(argv)
     from tools.sweep_attnres_kernels import CONFIGS
 
@@ -103,6 +106,9 @@ def parse_args(argv=None):
     if bad:
         p.error(f"--ab-kernel: unknown layouts {bad}; known: {', '.join(known)}")
     args.kernel_layouts = {name: layout_changes(name) for name in args.ab_kernel}
+    bad = [part for part in args.profile_layout.split("+") if part and part not in known]
+    if bad or (args.profile_layout and args.profile != "attnres"):
+        p.error(f"--profile-layout: needs --profile attnres and known layouts (unknown: {bad})")
     return args
 
 
@@ -180,10 +186,13 @@ def profile_model(args, config, shape: dict, cuda: bool) -> str:
 
     active, warmup = 3, args.warmup if args.warmup is not None else 3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, schedule=schedule(wait=warmup, warmup=1, active=active, repeat=1)) as prof:
+    scope = layout(layout_changes(args.profile_layout)) if args.profile_layout else contextlib.nullcontext()
+    with scope, profile(activities=activities,
+                        schedule=schedule(wait=warmup, warmup=1, active=active, repeat=1)) as prof:
         census = SyncCensus(max(warmup - 1, 0), prof) if cuda else prof  # the last unrecorded step's syncs
         step = time_training_step(config, shape, warmup + 1 + active, 0, profiler=census)
-    head = f"# Profile: bench_attnres `{args.profile}` model, step {step['step_ms']:.1f} ms under the profiler\n"
+    name = args.profile + (f" (kernel layout {args.profile_layout})" if args.profile_layout else "")
+    head = f"# Profile: bench_attnres `{name}` model, step {step['step_ms']:.1f} ms under the profiler\n"
     return head + "\n" + report(prof, active, cuda, census.sites if cuda else None)
 
 
@@ -243,11 +252,14 @@ def run(args) -> dict:
         "standard_step_ms": interleaved["standard"]["step_ms"],
         "attnres_step_ms": interleaved["attnres"]["step_ms"],
         "overhead_round_median": interleaved["ratio_median"]["attnres"] - 1,
+        # host time of a step until step() returned: near the step time, the host sets the pace
+        "host_ms": {name: interleaved[name]["host_ms"] for name in ("standard", "attnres", *more)},
         "round_ms": {name: interleaved[name]["round_ms"] for name in ("standard", "attnres", *more)},
         **({"attnres_unpaired_step_ms": interleaved["attnres_unpaired"]["step_ms"],
             "overhead_round_median_unpaired": interleaved["ratio_median"]["attnres_unpaired"] - 1} if more else {}),
         **({"kernel_layouts": {name: {"changes": changes, "step_ms": interleaved[f"attnres:{name}"]["step_ms"],
                                       "round_ms": interleaved[f"attnres:{name}"]["round_ms"],
+                                      "host_ms": interleaved[f"attnres:{name}"]["host_ms"],
                                       "overhead_round_median": interleaved["ratio_median"][f"attnres:{name}"] - 1}
                                for name, changes in args.kernel_layouts.items()}} if layouts else {}),
         "sequential": {"standard_step_ms": standard["step_ms"], "attnres_step_ms": attn_res["step_ms"]},
@@ -277,6 +289,8 @@ def print_table(r: dict) -> None:
     rows = [
         ("training step, standard residuals", f"{r['standard_step_ms']:.2f} ms", f"{r['standard_peak_mem_gb']:.2f} GB"),
         ("training step, Block AttnRes N=8", f"{r['attnres_step_ms']:.2f} ms", f"{r['attnres_peak_mem_gb']:.2f} GB"),
+        ("  host time of a step (interleaved): standard / AttnRes", f"{r['host_ms']['standard']:.2f} ms",
+         f"{r['host_ms']['attnres']:.2f} ms"),
         ("  each alone, one after the other: standard / AttnRes", f"{sequential['standard_step_ms']:.2f} ms",
          f"{sequential['attnres_step_ms']:.2f} ms"),
         ("  optimizer.step() alone, standard / AttnRes", f"{r['standard_optimizer_ms']:.2f} ms",

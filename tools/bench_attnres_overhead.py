@@ -14,7 +14,11 @@ Cases: n sources, as the model calls them: all but the last (the partial sum) gi
 ``SourceGrad`` ("tracked") or none ("plain"); through the public ``depth_attention`` and, where
 present, through ``depth_attention_unchecked`` (what ``DepthMixer`` calls after its first call).
 
-    python tools/bench_attnres_overhead.py [--reps 300] [--cuda]
+``--profile N``: instead of the table, cProfile over the model path's forward + backward at n sources
+(tracked), the functions with the most own time first: which part of a call's host time is Triton's launch
+(``JITFunction.run``, its binder, the launcher), the autograd Function, the torch ops.
+
+    python tools/bench_attnres_overhead.py [--reps 300] [--cuda] [--profile 9]
 """
 
 from __future__ import annotations
@@ -80,10 +84,10 @@ def _time(fn, reps: int, trials: int = 5) -> float:
     return best / reps / CALLS_PER_GRAPH * 1e6
 
 
-def measure(n: int, tracked: bool, reps: int, via_mixer: bool) -> tuple[float, float]:
-    """(forward µs, forward + backward µs) per call: ``CALLS_PER_GRAPH`` calls (each with its own
-    query and norm weight, as the model's mixers) read the same n sources; one backward over all
-    of them (autograd sums the untracked sources' grads; the tracked ones are summed in place)."""
+def make_graph(n: int, tracked: bool, via_mixer: bool):
+    """(forward, forward_backward) callables: ``CALLS_PER_GRAPH`` calls (each with its own query and norm
+    weight, as the model's mixers) read the same n sources; one backward over all of them (autograd sums
+    the untracked sources' grads; the tracked ones are summed in place)."""
     dtype = torch.bfloat16 if CUDA else torch.float32
     leaves = [torch.randn(SHAPE, device=DEVICE, dtype=dtype, requires_grad=True) for _ in range(n)]
     params = [
@@ -110,17 +114,49 @@ def measure(n: int, tracked: bool, reps: int, via_mixer: bool) -> tuple[float, f
         wrt = [*leaves, *(t for pair in params for t in pair)]
         torch.autograd.grad(outs, wrt, [grad_out] * len(outs))
 
+    return forward, forward_backward
+
+
+def measure(n: int, tracked: bool, reps: int, via_mixer: bool) -> tuple[float, float]:
+    """(forward µs, forward + backward µs) per call of :func:`make_graph`'s graphs."""
+    forward, forward_backward = make_graph(n, tracked, via_mixer)
     return _time(forward, reps), _time(forward_backward, reps)
+
+
+def profile(n: int, reps: int, top: int = 30) -> None:
+    """cProfile of ``reps`` forward + backward graphs (n tracked sources, model path), sorted by own time."""
+    import cProfile
+    import pstats
+
+    run = make_graph(n, tracked=True, via_mixer=True)[1]
+    for _ in range(min(50, reps)):
+        run()
+    if CUDA:
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(reps):
+        run()
+    if CUDA:
+        torch.cuda.synchronize()
+    profiler.disable()
+    print(f"# cProfile: {reps} graphs of {CALLS_PER_GRAPH} calls, n = {n} tracked sources, {DEVICE}; "
+          f"times are totals over {reps * CALLS_PER_GRAPH} calls")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--cuda", action="store_true", help="real kernels on CUDA (read before the parse: see CUDA)")
+    p.add_argument("--profile", type=int, default=None, metavar="N", help="cProfile at N sources instead of the table")
     args = p.parse_args(argv)
     if not args.cuda:
         _patch_kernels()
     torch.set_num_threads(1)
+    if args.profile is not None:
+        profile(args.profile, args.reps)
+        return
     try:
         from kernels.attn_res import depth_attention_unchecked  # noqa: F401
 

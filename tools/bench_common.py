@@ -107,16 +107,24 @@ def median_ms(step: Callable[[], None], warmup: int, iters: int, device: torch.d
 
 def call_ms(fn: Callable[[], object], cuda: bool) -> float:
     """One call of ``fn`` in ms: CUDA events around it on the GPU, wall clock otherwise."""
+    return call_and_host_ms(fn, cuda)[0]
+
+
+def call_and_host_ms(fn: Callable[[], object], cuda: bool) -> tuple[float, float]:
+    """(:func:`call_ms`, the host's ms until ``fn`` returned). On the GPU a host time close to the call's
+    means the host set the pace (the GPU waited for launches); well under it, the GPU did."""
+    start_host = time.perf_counter()
     if cuda:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
+        host_ms = 1000 * (time.perf_counter() - start_host)
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
-    t0 = time.perf_counter()
+        return start.elapsed_time(end), host_ms
     fn()
-    return 1000 * (time.perf_counter() - t0)
+    host_ms = 1000 * (time.perf_counter() - start_host)
+    return host_ms, host_ms
 
 
 def local_median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:
@@ -219,7 +227,8 @@ def time_interleaved_training_steps(models: dict[str, tuple], vocab_size: int,
     context-manager factory, is entered around each of that model's steps: e.g. a kernel layout); after ``warmup`` steps
     each, every round times ``steps_per_round`` steps of each model, the order reversed every other round,
     so that a drift of the machine (clocks, the host's load) falls on every model alike. Returns
-    ``{name: {"step_ms": median of all its steps, "round_ms": [median per round]}}`` plus
+    ``{name: {"step_ms": median of all its steps, "host_ms": median host time of a step (until ``step()``
+    returned), "round_ms": [median per round]}}`` plus
     ``"ratio_median"``: ``{name: median over rounds of its round median / the first model's}``."""
     from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
 
@@ -231,6 +240,7 @@ def time_interleaved_training_steps(models: dict[str, tuple], vocab_size: int,
         step = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch)
         steps[name] = _scoped(step, scope[0]) if scope else step
     times: dict[str, list[list[float]]] = {name: [] for name in steps}
+    host_times: dict[str, list[float]] = {name: [] for name in steps}
     try:
         with manual_gc_scope(manual_gc, 0):
             for step in steps.values():
@@ -238,13 +248,15 @@ def time_interleaved_training_steps(models: dict[str, tuple], vocab_size: int,
                     step()
             for r in range(rounds):
                 for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):
-                    times[name].append([call_ms(steps[name], device.type == "cuda")
-                                        for _ in range(steps_per_round)])
+                    pairs = [call_and_host_ms(steps[name], device.type == "cuda") for _ in range(steps_per_round)]
+                    times[name].append([ms for ms, _ in pairs])
+                    host_times[name].extend(host for _, host in pairs)
     finally:
         del steps
         free_device_memory(device)
     first = next(iter(times))
     result: dict = {name: {"step_ms": statistics.median(t for one_round in per_round for t in one_round),
+                           "host_ms": statistics.median(host_times[name]),
                            "round_ms": [statistics.median(one_round) for one_round in per_round]}
                     for name, per_round in times.items()}
     result["ratio_median"] = {

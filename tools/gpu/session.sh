@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call that checks and times everything (see docs/benchmarks.md).
 # Usage on the GPU machine, from the repo root, with the cp312 wheels in .whl/:
-#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-config,moe,routing,kda,kda-sweep,
+#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-host,attnres-config,moe,routing,kda,kda-sweep,
 #                                          e2e,e2e-ab,e2e2,profile (and moe2, rmsnorm)
 # Each step has its own time limit, logs to $OUT/session.log and writes its JSON under $OUT.
 # Independent steps can share one call on a two-GPU machine, one track per GPU:
@@ -34,11 +34,13 @@ step() {  # step NAME SECONDS CMD...
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG"
-step tests ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/moe tests/kda tests/attn_res tests/tools ${TESTS_EXTRA:-tests/parallel/test_fused_adamw_step.py tests/test_grad_norm.py}
+step tests ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS_PATHS:-tests/kernels tests/moe tests/kda tests/attn_res tests/tools} ${TESTS_EXTRA:-tests/parallel/test_fused_adamw_step.py tests/test_grad_norm.py}
 step train ${TRAIN_LIMIT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_training.py ${TRAIN_FLAGS:-}
 step attnres ${ATTNRES_LIMIT:-150} python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
 # kernel layouts of tools/sweep_attnres_kernels.py as more models of the same interleaved rounds
-step attnres-ab ${ATTNRES_LIMIT:-240} python3 tools/bench_attnres.py --ab-kernel ${ATTNRES_LAYOUTS:-bwd-pipe1-pack,bwd-stages2} --out "$OUT/attnres-ab-h200.json"
+step attnres-ab ${ATTNRES_LIMIT:-240} python3 tools/bench_attnres.py --ab-kernel ${ATTNRES_LAYOUTS:-unpacked} --out "$OUT/attnres-ab-h200.json"
+# host time of a depth-attention call split by function (cProfile; Triton's launch vs the torch ops)
+step attnres-host 120 python3 tools/bench_attnres_overhead.py --cuda --profile ${ATTNRES_HOST_SOURCES:-9} --reps 50
 step attnres-config ${ATTNRES_CONFIG_LIMIT:-420} python3 tools/bench_attnres_config.py --out "$OUT/attnres-config-h200.json"
 step moe ${MOE_LIMIT:-60} python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
 step moe2 ${MOE_LIMIT:-60} torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
