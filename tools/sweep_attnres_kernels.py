@@ -34,16 +34,24 @@ from tools import bench_common  # noqa: E402
 from tools.bench_attnres_kernel import schedule_step  # noqa: E402
 
 # (name, {fused.py constant: value}); register counts from an offline sm_90 compile (n = 9, h = 2048, the norm).
-# The defaults: one row over 4 warps both ways (forward: the n loads first, 128 registers, 4 programs per SM;
-# backward: sources reloaded in the grad loop, 255 registers, 2 programs per SM), 32 columns per finish program.
-_OLD_FORWARD = {"FORWARD_VALUES_PER_THREAD": 8, "FORWARD_PRELOAD": False}  # 8 warps, 48 registers
-_OLD_BACKWARD = {"BACKWARD_PRELOAD_VALUES_PER_THREAD": 4, "BACKWARD_RELOAD": False}  # 16 warps, 128 registers
+# The defaults: one row over 4 warps both ways (forward: the n loads first, rows held packed, 128 registers, 4
+# programs per SM; backward: sources reloaded in the grad loop, old grads loaded after their source's reductions,
+# rows packed, 255 registers, 2 programs per SM), 32 columns per finish program. Each config names every constant
+# it depends on, so that its meaning does not move with the defaults ("unpacked": the defaults before 2026-12-02).
+_UNPACKED_FORWARD = {"FORWARD_PACK_ROWS": False}
+_UNPACKED_BACKWARD = {"BACKWARD_PIPELINE": 0, "BACKWARD_PACK_ROWS": False}
+_OLD_FORWARD = {**_UNPACKED_FORWARD, "FORWARD_VALUES_PER_THREAD": 8, "FORWARD_PRELOAD": False}  # 8 warps, 48 registers
+_OLD_BACKWARD = {**_UNPACKED_BACKWARD, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 4,  # 16 warps, 128 registers
+                 "BACKWARD_RELOAD": False}
 CONFIGS = [
     ("default", {}),
+    ("unpacked", {**_UNPACKED_FORWARD, **_UNPACKED_BACKWARD}),  # the defaults 2026-12-01 to 2026-12-02
+    ("fwd-unpacked", _UNPACKED_FORWARD),
+    ("bwd-unpacked", _UNPACKED_BACKWARD),
     ("old-layouts", {**_OLD_FORWARD, **_OLD_BACKWARD, "FINISH_BLOCK": 128}),  # before the 2026-12-01 sweep
     ("fwd-old", _OLD_FORWARD),
-    ("fwd-no-preload", {"FORWARD_PRELOAD": False}),  # 72 registers
-    ("fwd-8vpt-preload", {"FORWARD_VALUES_PER_THREAD": 8}),  # 8 warps, 79 registers
+    ("fwd-no-preload", {**_UNPACKED_FORWARD, "FORWARD_PRELOAD": False}),  # 72 registers
+    ("fwd-8vpt-preload", {**_UNPACKED_FORWARD, "FORWARD_VALUES_PER_THREAD": 8}),  # 8 warps, 79 registers
     # Forward opt-ins (fused.py: FORWARD_PACK_ROWS, the sources' bf16 rows held as int32 pairs; FORWARD_NEXT_TILE, a
     # persistent grid with the next tile's rows in flight while this one is mixed, 1 source by source into the
     # registers each frees, 2 all n at the tile's top). ptxas sm_90 with Triton 3.8 (kernels/_compile_check, pointers
@@ -65,9 +73,10 @@ CONFIGS = [
     ("fwd-next2-4vpt-pack", {"FORWARD_PACK_ROWS": True, "FORWARD_NEXT_TILE": 2,  # 16 warps: 64, 0 | 64, 0;
                              "FORWARD_VALUES_PER_THREAD": 4}),  # 2 per SM [90, 0 | 99, 0; 1 per SM]
     ("bwd-old", _OLD_BACKWARD),
-    ("bwd-4vpt-reload", {"BACKWARD_PRELOAD_VALUES_PER_THREAD": 4}),  # 16 warps, 104 registers
-    ("bwd-8vpt-reload", {"BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 8 warps, 128 registers
-    ("bwd-1-per-sm", {"BACKWARD_PROGRAMS_PER_SM": 1}),  # half the partial-sum rows for the finish kernel
+    ("bwd-4vpt-reload", {**_UNPACKED_BACKWARD, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 4}),  # 16 warps, 104 registers
+    ("bwd-8vpt-reload", {**_UNPACKED_BACKWARD, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 8 warps, 128 registers
+    # half the partial-sum rows for the finish kernel
+    ("bwd-1-per-sm", {**_UNPACKED_BACKWARD, "BACKWARD_PROGRAMS_PER_SM": 1}),
     ("finish-64", {"FINISH_BLOCK": 64}),  # 32 finish programs instead of 64
     ("finish-128", {"FINISH_BLOCK": 128}),  # 16: the block before the 2026-12-01 sweep
     # Overlapping loads with the backward's compute and stores (preload_bwd.py: PIPELINE bits 1 old grads after
@@ -76,8 +85,8 @@ CONFIGS = [
     # pointers aligned), n = 9 with the norm, every source accumulated | the widest pair (8 shared blocks): registers,
     # spill-store bytes; default 255, 48 | 255, 52. "bwd" ms: this sweep on the H200 (2026-12-02, Triton 3.6 there),
     # the step's 17 calls, default 3.63.
-    ("bwd-pack", {"BACKWARD_PACK_ROWS": True}),  # 255, 16 | 255, 48; 2 per SM; 3.70
-    ("bwd-pipe1", {"BACKWARD_PIPELINE": 1}),  # 255, 76 | 255, 240; 2 per SM; 3.67
+    ("bwd-pack", {"BACKWARD_PIPELINE": 0, "BACKWARD_PACK_ROWS": True}),  # 255, 16 | 255, 48; 2 per SM; 3.70
+    ("bwd-pipe1", {"BACKWARD_PIPELINE": 1, "BACKWARD_PACK_ROWS": False}),  # 255, 76 | 255, 240; 2 per SM; 3.67
     ("bwd-pipe1-pack", {"BACKWARD_PIPELINE": 1, "BACKWARD_PACK_ROWS": True}),  # 255, 44 | 255, 164; 2 per SM; 3.01
     ("bwd-pipe5-pack", {"BACKWARD_PIPELINE": 5, "BACKWARD_PACK_ROWS": True}),  # 255, 68 | 255, 348; 2 per SM
     ("bwd-pipe3-pack", {"BACKWARD_PIPELINE": 3, "BACKWARD_PACK_ROWS": True}),  # 255, 148 | 255, 604; 2 per SM; 3.85
@@ -87,8 +96,9 @@ CONFIGS = [
                              "BACKWARD_PRELOAD_VALUES_PER_THREAD": 4}),  # 1 per SM; 5.20
     # Triton's own pipelining (cp.async into shared memory, issued after the tile's last store and waited for at
     # the next tile's top, so little overlap): 139 KB | 160 KB of shared memory, 1 per SM (n <= 5: 2)
-    ("bwd-stages2", {"BACKWARD_TILE_STAGES": 2}),  # 255, 140 | 255, 336; 3.35
-    ("bwd-stages2-8vpt", {"BACKWARD_TILE_STAGES": 2, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 155 | 199, 0; 3.83
+    ("bwd-stages2", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2}),  # 255, 140 | 255, 336; 3.35
+    ("bwd-stages2-8vpt", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2,
+                          "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 155 | 199, 0; 3.83
 ]
 KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",
            "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}

@@ -115,7 +115,7 @@ FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one 
 # right after this tile's source i is unpacked (into the registers it frees), 2: all n at the tile's top. Those
 # rows are loop-carried: unpacked, ptxas holds them one bf16 per register (n = 9, 8 values per thread, NEXT_TILE 2:
 # 166 registers packed 128).
-FORWARD_PACK_ROWS = False
+FORWARD_PACK_ROWS = True
 FORWARD_NEXT_TILE = 0
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
@@ -135,13 +135,13 @@ BACKWARD_RELOAD = True
 # to its store; 2, the next tile's rows loaded into the registers this tile frees (cross-tile prefetch); 4, each
 # source reloaded one source ahead in the grad pass. 1 with BACKWARD_PACK_ROWS: the step's 17 backward calls
 # 3.63 -> 3.01 ms in the H200 sweep, not yet confirmed by a step benchmark (docs/attn_res.md, "Opt-in variants").
-BACKWARD_PIPELINE = 0
+BACKWARD_PIPELINE = 1
 # Preload kernel's tile loop as tl.range(num_stages=...) (Triton pipelines the loads as cp.async into shared
 # memory: ~140 KB at n = 9, h = 2048 with 2 stages, so one program per SM; 3 stages do not fit); None: off.
 BACKWARD_TILE_STAGES: int | None = None
 # Preload kernel: hold the loaded 2-byte rows as int32 pairs (one register per two values; ptxas kept bf16 values
 # one per 16-bit register and spilled them), where h is even and every such tensor 4-byte aligned.
-BACKWARD_PACK_ROWS = False
+BACKWARD_PACK_ROWS = True
 _resident_programs: dict = {}
 _PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave

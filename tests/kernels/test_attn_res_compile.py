@@ -77,8 +77,10 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     # h = 2048: the benchmark's widest call (n = 9, every source accumulated), the widest pair (the MLP mixer of
     # layer 7 deferring 8 shared blocks to the attention mixer), the second call's own-source pass (subset) and
     # small calls. One row over 4 warps, two programs per SM (<= 255 registers), as measured fastest
-    # (docs/bench/attnres-sweep-h200.json). Spills: at most 64 bytes (n = 9 with the norm spills ~48 to L1
-    # with Triton 3.8; without RELOAD it was ~840); more means the tile or the kept scalars grew.
+    # (docs/bench/attnres-sweep-h200.json). Spills: at most 64 bytes (n = 9 with the norm spills ~44 to L1
+    # with Triton 3.8; without RELOAD it was ~840), 192 for the widest pair (164 with PIPELINE 1 and PACK, which
+    # still took the step's backward kernels 3.32 -> 2.91 ms in the H200 model profile, docs/attn_res.md); more
+    # means the tile or the kept scalars grew.
     import kernels.attn_res.fused as fused
     from kernels._compile_check import compile_for, resources
 
@@ -91,7 +93,8 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
                            aligned=_ALIGNED)
     used = resources(compiled)
-    assert used.spill_stores <= 64 and used.spill_loads <= 64, (n, paired, used)
+    max_spill = 192 if paired >= 8 else 64
+    assert used.spill_stores <= max_spill and used.spill_loads <= max_spill, (n, paired, used)
     assert cfg.num_warps == 4 and used.registers <= 255, (cfg, used)
 
 
