@@ -57,9 +57,10 @@ DEVICE_ROUNDS = 2
 # launches per round instead of ~40 PyTorch ops; the same result up to the order among equal biased scores).
 # False: the PyTorch ops below (the benchmarks' ``+torch-rounds`` rows).
 ROUTING_KERNELS = True
-# ... and so do the calls with host reads (the default eager path): the same rounds behind the same reads, bit-equal
-# to the PyTorch rounds in the interpreter but not yet run on a GPU, so off until measured there.
-ROUTING_KERNELS_WITH_READS = False
+# ... and so do the calls with host reads (the default eager path): the same rounds behind the same reads, the same
+# routing as the PyTorch rounds on the H200 (tests/kernels/test_moe_routing.py) and 4.0x faster there at 65536 x 256
+# (docs/bench/routing-h200.json). False: the PyTorch rounds behind the reads.
+ROUTING_KERNELS_WITH_READS = True
 
 
 def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bias: torch.Tensor | None = None,
