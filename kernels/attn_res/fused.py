@@ -106,7 +106,7 @@ BACKWARD_PROGRAMS_PER_SM: int | None = None
 FORWARD_VALUES_PER_THREAD = 16
 FORWARD_PRELOAD = True  # issue the n source loads before the first row reduction
 FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one barrier, not two)
-# Opt-in forward variants (swept by tools/sweep_attnres_kernels.py; offline sm_90 registers there). PACK_ROWS: the
+# Forward variants (swept by tools/sweep_attnres_kernels.py; offline sm_90 registers there). PACK_ROWS (default): the
 # sources' 2-byte rows loaded and held as int32 pairs (as BACKWARD_PACK_ROWS; where h is even and the sources 4-byte
 # aligned); bit-identical results. At the default layout it saves no registers (ptxas already keeps the one-tile
 # kernel's loaded words packed, 128 either way at n = 9), but it takes the spills out of the 32-values-per-thread
@@ -130,11 +130,12 @@ BACKWARD_PRELOAD_VALUES_PER_THREAD = 16
 # store instead of holding both in registers from the top: fewer registers (without it 16 values per thread
 # spill ~840 bytes).
 BACKWARD_RELOAD = True
-# Preload kernel, opt-in overlap of loads with compute/stores (bits; docstring of preload_bwd's kernel; swept by
+# Preload kernel, overlap of loads with compute/stores (bits; docstring of preload_bwd's kernel; swept by
 # tools/sweep_attnres_kernels.py): 1, each old grad loaded right after its source's reductions instead of next
 # to its store; 2, the next tile's rows loaded into the registers this tile frees (cross-tile prefetch); 4, each
-# source reloaded one source ahead in the grad pass. 1 with BACKWARD_PACK_ROWS: the step's 17 backward calls
-# 3.63 -> 3.01 ms in the H200 sweep, not yet confirmed by a step benchmark (docs/attn_res.md, "Opt-in variants").
+# source reloaded one source ahead in the grad pass. 1 with BACKWARD_PACK_ROWS (the default since 2026-12-02): the
+# step's 17 backward calls 3.63 -> 3.01 ms in the H200 sweep, 3.32 -> 2.91 ms in the model's profile (docs/attn_res.md,
+# "Layout variants").
 BACKWARD_PIPELINE = 1
 # Preload kernel's tile loop as tl.range(num_stages=...) (Triton pipelines the loads as cp.async into shared
 # memory: ~140 KB at n = 9, h = 2048 with 2 stages, so one program per SM; 3 stages do not fit); None: off.
