@@ -77,7 +77,6 @@ CONFIGS = [
     ("bwd-8vpt-reload", {**_UNPACKED_BACKWARD, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 8 warps, 128 registers
     # half the partial-sum rows for the finish kernel
     ("bwd-1-per-sm", {**_UNPACKED_BACKWARD, "BACKWARD_PROGRAMS_PER_SM": 1}),
-    ("finish-loop", {"FINISH_UNROLLED": False}),  # the finish kernel's runtime loop (before 2026-12-02)
     ("finish-16", {"FINISH_BLOCK": 16}),  # 128 finish programs instead of 64 (all SMs busy)
     ("finish-64", {"FINISH_BLOCK": 64}),  # 32 finish programs instead of 64
     ("finish-128", {"FINISH_BLOCK": 128}),  # 16: the block before the 2026-12-01 sweep

@@ -264,10 +264,6 @@ class BackwardSums:
 # 32 columns per finish program (64 programs at h = 2048): 0.28 vs 0.43 ms over the benchmark's 17 calls with
 # 128 (tools/sweep_attnres_kernels.py), now that the 4-warp backward leaves two partial rows per SM.
 FINISH_BLOCK, FINISH_BLOCK_P = 32, 16
-# The finish kernel's loop over the partial rows unrolled (the row count is a compile-time constant) with one
-# cross-thread reduction at the end; False: a runtime loop with a reduction per FINISH_BLOCK_P rows (before
-# 2026-12-02; 0.42 ms over the benchmark's 17 calls in the H200 model profile).
-FINISH_UNROLLED = True
 
 
 def fused_depth_attention_backward_sums(
@@ -372,15 +368,13 @@ def fused_depth_attention_backward_sums(
         grad_out_norm = torch.empty_like(out_norm_weight) if rows > 1 else grad_query
         _depth_attention_finish_kernel[grid](
             partial, partial, query, norm_weight, grad_query, grad_norm_weight, grad_out_norm, H, P=programs,
-            ROWS=rows, BLOCK_P=FINISH_BLOCK_P, BLOCK=FINISH_BLOCK, PARAMETER_GRADS=True, UNROLLED=FINISH_UNROLLED,
-            num_warps=4)
+            ROWS=rows, BLOCK_P=FINISH_BLOCK_P, BLOCK=FINISH_BLOCK, PARAMETER_GRADS=True, num_warps=4)
         return BackwardSums(None, grad_query=grad_query, grad_norm_weight=grad_norm_weight,
                             grad_out_norm_weight=grad_out_norm if rows > 1 else None)
     sums = torch.empty((rows, H), dtype=torch.float32, device=device)
     _depth_attention_finish_kernel[grid](
         partial, sums, query, norm_weight, partial, partial, partial, H, P=programs,
-        ROWS=rows, BLOCK_P=FINISH_BLOCK_P, BLOCK=FINISH_BLOCK, PARAMETER_GRADS=False, UNROLLED=FINISH_UNROLLED,
-        num_warps=4)
+        ROWS=rows, BLOCK_P=FINISH_BLOCK_P, BLOCK=FINISH_BLOCK, PARAMETER_GRADS=False, num_warps=4)
     return BackwardSums(sums[0], sums[1] if rows - (paired is not None) > 1 else None,
                         sums[rows - 1] if paired is not None else None)
 

@@ -99,17 +99,15 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
-@pytest.mark.parametrize("unrolled", [False, True])
 @pytest.mark.parametrize("parameter_grads", [False, True])
-def test_finish_kernel_compiles(parameter_grads, unrolled):
+def test_finish_kernel_compiles(parameter_grads):
     import kernels.attn_res.fused as fused
     from kernels._compile_check import compile_for, resources
 
     compiled = compile_for(fused._depth_attention_finish_kernel, {
         "partial_ptr": "*fp32", "out_ptr": "*fp32", "query_ptr": "*fp32", "norm_weight_ptr": "*bf16",
         "grad_query_ptr": "*fp32", "grad_norm_weight_ptr": "*bf16", "grad_out_norm_ptr": "*bf16", "H": "i32",
-    }, {"P": 264, "ROWS": 2, "BLOCK_P": fused.FINISH_BLOCK_P, "BLOCK": fused.FINISH_BLOCK, "PARAMETER_GRADS": parameter_grads,
-        "UNROLLED": unrolled},
+    }, {"P": 264, "ROWS": 2, "BLOCK_P": fused.FINISH_BLOCK_P, "BLOCK": fused.FINISH_BLOCK, "PARAMETER_GRADS": parameter_grads},
         num_warps=4)
     used = resources(compiled)
     assert used.spill_stores == 0 and used.spill_loads == 0, used
