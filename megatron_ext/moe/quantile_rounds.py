@@ -111,9 +111,8 @@ class TorchRounds:
         return self.overflow.demand.any()
 
     def kept_pairs(self):
-        if self.overflow is not None:
-            return _kept_pairs(self.overflow.free, self.k)
-        return self.experts.numel() - (self.experts < 0).sum()
+        free = self.overflow.free if self.overflow is not None else (self.experts < 0).sum(dim=1)
+        return _kept_pairs(free, self.k)
 
     def result(self, rounds: int, kept: int | None, plain: bool = False) -> "RoundsResult":
         if plain:
