@@ -164,3 +164,40 @@ def test_forward_variants_compile(values_per_thread, tile, next_tile, max_regist
                            aligned=aligned)
     used = resources(compiled)
     assert used.spill_stores == 0 and used.spill_loads == 0 and used.registers <= max_registers, (cfg, used)
+
+
+_SPLIT_SIGNATURE = {
+    "query_ptr": "*fp32", "norm_weight_ptr": "*fp32", "out_ptr": "*bf16", "grad_out_ptr": "*bf16", "lse_ptr": "*fp32",
+    "out_norm_weight_ptr": "*fp32", "out_rstd_ptr": "*fp32", "query2_ptr": "*fp32", "norm_weight2_ptr": "*fp32",
+    "out2_ptr": "*fp32", "grad_out2_ptr": "*bf16", "lse2_ptr": "*fp32", "out_norm_weight2_ptr": "*fp32",
+    "out_rstd2_ptr": "*fp32", "scalars_ptr": "*fp32", "partial_ptr": "*fp32", "T": "i32", "H": "i32", "eps": "fp32",
+    "out_norm_eps": "fp32", "out_norm_eps2": "fp32",
+}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
+@pytest.mark.parametrize("n, paired", [(9, 0), (8, 8)], ids=["n9", "pair8"])
+def test_split_backward_compiles_without_spills(n, paired):
+    # The two-pass backward (split_bwd.py) at h = 2048 with the norm, every source accumulated: the benchmark's
+    # widest call and widest pair. Neither kernel holds rows across sources beyond one tile's loads, so neither may
+    # spill; registers as measured with Triton 3.8 (scalars 96 | 163, grads 80 | 128) plus headroom: more means a
+    # chunk's loads were hoisted across chunks (unrolled, the scalars kernel took 255 and spilled kilobytes).
+    import kernels.attn_res.fused as fused
+    from kernels._compile_check import compile_for, resources
+    from kernels.attn_res.split_bwd import _depth_attention_bwd_grads_kernel, _depth_attention_bwd_scalars_kernel
+
+    pointers = {"src_ptrs": ("*bf16",) * n, "grad_ptrs": ("*bf16",) * n}
+    cases = (
+        (_depth_attention_bwd_scalars_kernel, fused.SPLIT_SCALARS_WARPS, 176,
+         {"N": n, "BLOCK_T": fused.SPLIT_SCALARS_WARPS, "BLOCK_C": fused.SPLIT_SCALARS_CHUNK, "NORM_OUT": True,
+          "SUBSET": False, "PAIRED": paired}),
+        (_depth_attention_bwd_grads_kernel, fused.SPLIT_GRADS_WARPS, 144,
+         {"N": n, "ACCUMULATE": (1 << n) - 1, "BLOCK_T": fused.SPLIT_GRADS_TILE_T, "BLOCK_C": fused.SPLIT_GRADS_CHUNK,
+          "NORM_OUT": True, "PAIRED": paired, "OUT_NORM_GRAD": True}),
+    )
+    for kernel, warps, max_registers, constexprs in cases:
+        signature = {k: v for k, v in {**_SPLIT_SIGNATURE, **pointers}.items() if k in kernel.arg_names}
+        aligned = [k for k in (*_ALIGNED, "scalars_ptr", "partial_ptr") if k in signature]
+        used = resources(compile_for(kernel, signature, constexprs, num_warps=warps, aligned=aligned))
+        assert used.spill_stores == 0 and used.spill_loads == 0 and used.registers <= max_registers, (
+            kernel.__name__, used)
