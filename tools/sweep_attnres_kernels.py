@@ -100,20 +100,9 @@ CONFIGS = [
     ("bwd-stages2", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2}),  # 255, 140 | 255, 336; 3.35
     ("bwd-stages2-8vpt", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2,
                           "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 155 | 199, 0; 3.83
-    # The two-pass backward (split_bwd.py): per-token scalars, then a streaming grad pass. ptxas sm_90 (Triton 3.8),
-    # n = 9 with the norm, every source accumulated | the widest pair: scalars 96 | 163 registers; grads (1 x 512)
-    # 80 | 128, no spills.
-    ("split", {"BACKWARD_KERNEL": "split"}),
-    ("split-2x256", {"BACKWARD_KERNEL": "split", "SPLIT_GRADS_TILE_T": 2, "SPLIT_GRADS_CHUNK": 256}),  # 167 | 168
-    ("split-1x1024", {"BACKWARD_KERNEL": "split", "SPLIT_GRADS_CHUNK": 1024}),  # 167 | 227
-    ("split-grads2w", {"BACKWARD_KERNEL": "split", "SPLIT_GRADS_WARPS": 2}),  # 1 x 512 over 2 warps: 167 | 227
-    ("split-scalars8w", {"BACKWARD_KERNEL": "split", "SPLIT_SCALARS_WARPS": 8}),  # 8 tokens per program
-    ("split-scalars512", {"BACKWARD_KERNEL": "split", "SPLIT_SCALARS_CHUNK": 512}),
-    ("split-groups2x", {"BACKWARD_KERNEL": "split", "SPLIT_GRADS_TOKEN_GROUPS": 396}),  # two waves' worth at 6 per SM
 ]
 KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",
-           "_depth_attention_bwd_kernel": "bwd", "_depth_attention_bwd_scalars_kernel": "bwd",
-           "_depth_attention_bwd_grads_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}
+           "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}
 
 
 def layout_changes(name: str) -> dict:

@@ -73,8 +73,7 @@ class FusedDepthAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         role = ctx.pair_role
         # Second call of a pair: leave the shared sources to the first call's backward.
-        pairing = pair.PAIR_BACKWARD and fused.BACKWARD_KERNEL in fused.PAIRING_KERNELS
-        shared = ctx.shared if (role is not None and pairing) else 0
+        shared = ctx.shared if (role is not None and pair.PAIR_BACKWARD and fused.BACKWARD_KERNEL == "preload") else 0
         if ctx.stacked:
             grad_stacked = torch.empty_like(sources[0])
             views, dests, accumulate = tuple(sources[0].unbind(0)), tuple(grad_stacked.unbind(0)), ()
@@ -107,8 +106,7 @@ class FusedDepthAttention(torch.autograd.Function):
             grad_query = grad_norm_weight = None  # returned by the first call's backward
         else:
             deferred = role.pair.take() if role is not None and role.index == 0 else None
-            # the parameter grads from the finish kernel
-            in_kernel = deferred is None and fused.BACKWARD_KERNEL in fused.PAIRING_KERNELS
+            in_kernel = deferred is None and fused.BACKWARD_KERNEL == "preload"  # grads from the finish kernel
             sums = fused_depth_attention_backward_sums(
                 views, query, norm_weight, ctx.eps, out, lse, grad_out, dests, accumulate,
                 out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2],

@@ -120,11 +120,10 @@ FORWARD_NEXT_TILE = 0
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
 BACKWARD_NORM_VALUES_PER_THREAD = 4  # backward with the fused output norm (backward_launch_config)
-# Which backward kernel: "preload" (a tile's loads before its stores, see BACKWARD_RELOAD), "split" (two passes:
-# per-token scalars, then a streaming grad pass; split_bwd.py) or "stream" (the earlier one: one source prefetched
-# ahead). The paired / subset backward and the parameter grads from the finish kernel need one of PAIRING_KERNELS.
+# Which backward kernel: "preload" (a tile's loads before its stores, see BACKWARD_RELOAD; needed for the
+# paired / subset backward) or "stream" (the earlier one: one source prefetched ahead). A two-pass backward (per-token
+# scalars, then a streaming grad pass) was measured slower and removed (docs/attn_res.md, "Backward, two passes").
 BACKWARD_KERNEL = "preload"
-PAIRING_KERNELS = ("preload", "split")
 # 4 warps at h = 2048 with RELOAD: two programs per SM (n = 9 with the norm: 255 registers, ~48 bytes spilled to
 # L1); 16 warps (4 values) took 128 registers for one program per SM and ~20% longer over the benchmark's calls.
 BACKWARD_PRELOAD_VALUES_PER_THREAD = 16
@@ -145,21 +144,6 @@ BACKWARD_TILE_STAGES: int | None = None
 # Preload kernel: hold the loaded 2-byte rows as int32 pairs (one register per two values; ptxas kept bf16 values
 # one per 16-bit register and spilled them), where h is even and every such tensor 4-byte aligned.
 BACKWARD_PACK_ROWS = True
-# The split backward's layouts (split.py, split_bwd.py; swept by tools/sweep_attnres_kernels.py). Scalars kernel:
-# one token row per warp, h in chunks of SPLIT_SCALARS_CHUNK columns (8 per thread: one 16-byte load of a bf16 row).
-# Grads kernel: tiles of SPLIT_GRADS_TILE_T tokens x SPLIT_GRADS_CHUNK columns over SPLIT_GRADS_WARPS warps, a grid of
-# (token groups, column chunks); each group walks every groups-th tile and leaves one partial row for the finish
-# kernel.
-SPLIT_SCALARS_WARPS = 4
-SPLIT_SCALARS_CHUNK = 256
-# One token row of 512 columns over 4 warps (8-byte loads): 80 registers at n = 9 with the norm (ptxas sm_90), about
-# six programs per SM; 2 x 256 took 167, 4 x 256 254 (the tile's rows are all loaded before its first store).
-SPLIT_GRADS_TILE_T = 1
-SPLIT_GRADS_CHUNK = 512
-SPLIT_GRADS_WARPS = 4
-# Token groups of the grads kernel's grid; None: as many as make one wave with the column chunks (from the compiled
-# kernel's registers, as the preload kernel's persistent grid).
-SPLIT_GRADS_TOKEN_GROUPS: int | None = None
 _resident_programs: dict = {}
 _PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
@@ -307,32 +291,24 @@ def fused_depth_attention_backward_sums(
     RMSNorm(out)``. ``subset``: ``sources`` are only some of the call's sources (its ``lse``
     covers all). ``paired``: also the gradient of a second call for the first ``paired.count``
     sources (added into the same grads; its ``g`` over them in ``g2``). ``subset`` and
-    ``paired`` need one of ``PAIRING_KERNELS`` (``BACKWARD_KERNEL``). ``parameter_grads`` (those kernels, neither
+    ``paired`` need the preload kernel (``BACKWARD_KERNEL``). ``parameter_grads`` (preload kernel, neither
     ``subset`` nor ``paired``): return the parameters' grads in their dtypes, computed by the finish
     kernel, instead of the fp32 sums."""
     T, H = _tokens(sources[0])
     norm_out = out_norm_weight is not None
     device = grad_out.device
     preload = BACKWARD_KERNEL == "preload"
-    pairing = BACKWARD_KERNEL in PAIRING_KERNELS
-    if (subset or paired is not None) and not pairing:
-        raise ValueError(f"subset / paired backward needs fused.BACKWARD_KERNEL in {PAIRING_KERNELS}")
+    if (subset or paired is not None) and not preload:
+        raise ValueError("subset / paired backward needs fused.BACKWARD_KERNEL = 'preload'")
     if paired is not None and (paired.out_norm_weight is not None) != norm_out:
         raise ValueError("a paired call must have the fused output norm iff this call has it")
-    if parameter_grads and (subset or paired is not None or not pairing):
-        raise ValueError(f"parameter_grads needs fused.BACKWARD_KERNEL in {PAIRING_KERNELS} and neither subset nor "
-                         "paired")
+    if parameter_grads and (subset or paired is not None or not preload):
+        raise ValueError("parameter_grads needs the preload kernel and neither subset nor paired")
     rows = 1 + (norm_out and need_out_norm_weight) + (paired is not None)
     if T == 0:
         zero = torch.zeros(H, dtype=torch.float32, device=device)
         sums = BackwardSums(zero, zero if norm_out else None, zero if paired is not None else None)
         return _as_parameter_grads(sums, query, norm_weight, out_norm_weight) if parameter_grads else sums
-    if BACKWARD_KERNEL == "split":
-        from kernels.attn_res.split import split_backward_sums  # imports this module
-
-        return split_backward_sums(sources, query, norm_weight, eps, out, lse, grad_out, grad_sources, accumulate,
-                                   out_norm_weight, out_norm_eps, out_rstd, need_out_norm_weight, subset, paired,
-                                   parameter_grads)
     mask = 0
     for i, flag in enumerate(accumulate):
         if flag:
@@ -387,10 +363,10 @@ def fused_depth_attention_backward_sums(
     if not preload:
         sums = partial.sum(dim=1)
         return BackwardSums(sums[0], sums[1] if norm_out else None)
-    return finish_sums(partial, paired is not None, parameter_grads, query, norm_weight, out_norm_weight)
+    return _finish_sums(partial, paired is not None, parameter_grads, query, norm_weight, out_norm_weight)
 
 
-def finish_sums(partial: torch.Tensor, paired: bool, parameter_grads: bool, query: torch.Tensor,
+def _finish_sums(partial: torch.Tensor, paired: bool, parameter_grads: bool, query: torch.Tensor,
                 norm_weight: torch.Tensor, out_norm_weight: torch.Tensor | None) -> BackwardSums:
     """Adds up a backward's per-program partial rows, ``partial [rows, programs, h]`` fp32 (``g``, then
     ``g_out_norm`` if there are more rows than ``1 + paired``, then ``g2`` if ``paired``), in one launch of the
@@ -443,7 +419,7 @@ def fused_depth_attention_backward(
     (contiguous, the sources' shape); returns (grad query, grad norm_weight, grad
     out_norm_weight), ``None`` where not needed. With ``out_norm_weight`` (and the forward's
     ``out_rstd``), ``grad_out`` is the grad of ``normed = RMSNorm(out)``."""
-    in_kernel = BACKWARD_KERNEL in PAIRING_KERNELS
+    in_kernel = BACKWARD_KERNEL == "preload"
     sums = fused_depth_attention_backward_sums(
         sources, query, norm_weight, eps, out, lse, grad_out, grad_sources, accumulate, out_norm_weight,
         out_norm_eps, out_rstd, need_out_norm_weight, parameter_grads=in_kernel,

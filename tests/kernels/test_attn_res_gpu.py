@@ -34,13 +34,9 @@ def _assert_relative_close(actual, expected, bound, name):
     assert err <= allowed, f"{name}: max error {err:.3e} exceeds {allowed:.3e} (max |ref| {scale:.3e})"
 
 
-@pytest.mark.parametrize("kernel", ["preload", "split"])
 @pytest.mark.parametrize("hidden", [48, 1536, 2048])
 @pytest.mark.parametrize("n", [1, 3, 9])
-def test_bf16_kernel_matches_fp32_reference(monkeypatch, n, hidden, kernel):
-    import kernels.attn_res.fused as fused
-
-    monkeypatch.setattr(fused, "BACKWARD_KERNEL", kernel)
+def test_bf16_kernel_matches_fp32_reference(n, hidden):
     sources, query, norm_weight, grad_out = _inputs(n, 1000, hidden, seed=n + hidden)
     kernel = _grads(lambda v, w, g: depth_attention(list(v.unbind(0)), w, g), sources, query, norm_weight, grad_out)
     # Ground truth: fp32 maths on the very same bf16 values; the kernel only rounds its outputs.
@@ -145,7 +141,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("kernel", ["preload", "split", "stream"])
+@pytest.mark.parametrize("kernel", ["preload", "stream"])
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("num_blocks", [1, 8])
 def test_bf16_layer_block_grads_match_fp32(monkeypatch, kernel, paired, num_blocks):
@@ -163,14 +159,13 @@ def test_bf16_layer_block_grads_match_fp32(monkeypatch, kernel, paired, num_bloc
         assert _rel(got[i], want[i]) <= bound, f"block {i}: {_rel(got[i], want[i]):.3e} > {bound:.3e}"
 
 
-@pytest.mark.parametrize("kernel_layout", ["default", "unpacked", "split", "split-2x256"])
+@pytest.mark.parametrize("kernel_layout", ["default", "unpacked"])
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("num_blocks", [1, 8])
-def test_bf16_every_grad_as_precise_as_torch_bf16(monkeypatch, num_blocks, paired, kernel_layout):
-    # The preload and split kernels take the softmax backward's c from the sources, and the second call of a
-    # pair from its output saved in fp32 (function.py): every grad, the mixers' parameters included, within 2x
-    # the bf16 torch path's error (+ 5e-3); the default (packed, pipelined) and unpacked preload layouts, the split
-    # backward in two layouts.
+def test_bf16_preload_every_grad_as_precise_as_torch_bf16(monkeypatch, num_blocks, paired, kernel_layout):
+    # The default kernel takes the softmax backward's c from the sources (preload_bwd.py), and the second call
+    # of a pair from its output saved in fp32 (function.py): every grad, the mixers' parameters included,
+    # within 2x the bf16 torch path's error (+ 5e-3); the default (packed, pipelined) and the unpacked layouts.
     import kernels.attn_res.fused as fused
     from tools.sweep_attnres_kernels import layout, layout_changes
 

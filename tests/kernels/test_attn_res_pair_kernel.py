@@ -69,13 +69,9 @@ def _compare(got, want, rtol=1e-4, atol=1e-5):
 
 
 @interpreter_case
-@pytest.mark.parametrize("kernel", ["preload", "split"])
 @pytest.mark.parametrize("fused_norm", [False, True], ids=["mix", "mix+rmsnorm"])
 @pytest.mark.parametrize("num_blocks, first_partial", [(1, False), (3, False), (2, True)])
-def test_paired_backward_equals_unpaired_and_torch(monkeypatch, num_blocks, first_partial, fused_norm, kernel):
-    import kernels.attn_res.fused as fused
-
-    monkeypatch.setattr(fused, "BACKWARD_KERNEL", kernel)
+def test_paired_backward_equals_unpaired_and_torch(num_blocks, first_partial, fused_norm):
     args = (num_blocks, first_partial, fused_norm)
     paired = _layer("triton", True, *args)
     unpaired = _layer("triton", False, *args)
@@ -88,12 +84,8 @@ def test_paired_backward_equals_unpaired_and_torch(monkeypatch, num_blocks, firs
 
 
 @interpreter_case
-@pytest.mark.parametrize("kernel", ["preload", "split"])
-def test_paired_backward_without_a_later_reader(monkeypatch, kernel):
+def test_paired_backward_without_a_later_reader():
     # No final mix: the pair's backward is the first contribution to the blocks (plain writes).
-    import kernels.attn_res.fused as fused
-
-    monkeypatch.setattr(fused, "BACKWARD_KERNEL", kernel)
     _compare(_layer("triton", True, 3, False, True, with_final=False),
              _layer("torch", False, 3, False, True, with_final=False))
 
@@ -152,10 +144,10 @@ def test_deferred_grads_never_collected_raise(fused_norm):
 
 
 @interpreter_case
-@pytest.mark.parametrize("kernel", ["preload", "split", "stream"])
+@pytest.mark.parametrize("kernel", ["preload", "stream"])
 @pytest.mark.parametrize("hidden", [32, 80])
 def test_backward_kernels_match_reference(monkeypatch, kernel, hidden):
-    # Every backward kernel, n in {1, 4, 9} sources, h a power of two or not.
+    # Both backward kernels, one source of n in {1, 4, 9}, h a power of two or not.
     import kernels.attn_res.fused as fused
     from kernels.attn_res import depth_attention_reference
 
@@ -210,12 +202,10 @@ def _two_source_layer_grads(kernel, dtype, impl, paired=False, tokens=64, hidden
 @pytest.mark.parametrize("kernel, paired", [
     ("preload", False),
     ("preload", True),  # the second call's c from its output, saved in fp32
-    ("split", False),
-    ("split", True),
     pytest.param("stream", False, marks=pytest.mark.xfail(
         strict=True, reason="the streaming kernel takes c from the stored bf16 output (docs/attn_res.md, "
                             "Precision of c)")),
-], ids=["preload", "preload+pair", "split", "split+pair", "stream"])
+], ids=["preload", "preload+pair", "stream"])
 def test_bf16_two_source_mix_grads_as_precise_as_torch_bf16(kernel, paired):
     """bf16 in the interpreter (these kernels have no tl.dot, so its bf16 is the GPU's): every grad within 2x
     the error of PyTorch's bf16 autograd (+ 5e-3) against fp32."""
