@@ -171,3 +171,41 @@ def test_source_grads_summed_in_place_equal_autograd_sums(impl, fused_norm):
     again = torch.autograd.grad(tracked_loss, wrt)  # a second backward starts from zero again
     for a, b in zip(again, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@interpreter_case
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("paired", [False, True], ids=["unpaired", "paired"])
+def test_partial_sum_grad_deposited_by_its_sum_equals_autograd(impl, paired):
+    # A layer as the model runs it with in-place grads: p = tanh(mix over the tracked block), tracked; a second
+    # mix over [block, p]; the block closed as p + o (o: the second mix's stand-in sublayer output). With
+    # add_to_tracked the sum hands its grad for p to p's SourceGrad and the second mix adds its own into it
+    # (the kernel with ACCUMULATE; with the pair, its subset pass): the grads of plain autograd.
+    from kernels.attn_res import DepthPair, add_to_tracked, track_source_grad
+
+    gen = torch.Generator().manual_seed(11)
+    tokens, hidden = 19, 48
+    block = torch.randn(tokens, hidden, generator=gen).requires_grad_(True)
+    params = [[(torch.randn(hidden, generator=gen) * 0.5).requires_grad_(True),
+               (1 + 0.3 * torch.randn(hidden, generator=gen)).requires_grad_(True),
+               (1 + 0.3 * torch.randn(hidden, generator=gen)).requires_grad_(True)] for _ in range(2)]
+    weights = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
+
+    def grads(fused_sum):
+        source, block_grad = track_source_grad(block * 1.0)
+        link = DepthPair(*params[1][:2]) if paired else None
+        x = depth_attention([source], *params[0][:2], impl=impl, source_grads=[block_grad],
+                            out_norm_weight=params[0][2], pair=link and link.first)
+        p = torch.tanh(x) * 0.7
+        p_grad = None
+        if fused_sum:
+            p, p_grad = track_source_grad(p)
+        y = depth_attention([source, p], *params[1][:2], impl=impl, source_grads=[block_grad, p_grad],
+                            out_norm_weight=params[1][2], pair=link and link.second)
+        o = torch.sigmoid(y) * weights[0]
+        closed = add_to_tracked(p, p_grad, o) if fused_sum else p + o
+        loss = (closed * weights[1]).sum() + (closed * closed).sum() / 10
+        return torch.autograd.grad(loss, [block, *params[0], *params[1]])
+
+    for got, want in zip(grads(True), grads(False)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, want.abs().max().item()))
