@@ -231,3 +231,44 @@ def test_bf16_forward_variants_match_default_and_fp32_reference(n, norm):
         if norm:
             _assert_relative_close(got[2], rms_norm_reference(ref, gamma_o.float(), 1e-5), 1e-2, f"{name} normed")
             torch.testing.assert_close(got[3], default[3], rtol=1e-2, atol=0, msg=f"{name} out_rstd")
+
+
+@pytest.mark.parametrize("paired", [False, True], ids=["unpaired", "paired"])
+@pytest.mark.parametrize("num_blocks", [1, 8])
+def test_bf16_partial_sum_grad_deposited_by_its_sum_equals_autograd(num_blocks, paired):
+    # The partial sum p read by the MLP mixer and closed into the next block as p + o: with add_to_tracked the
+    # close hands its grad for p to p's SourceGrad and the mixer's kernel adds into it (one bf16 rounding of the
+    # sum instead of two); against autograd's add (interpreter twin in test_attn_res_kernel.py): every grad within
+    # 1e-2 of its largest entry, and p's grad itself within 2 bf16 ulps of the autograd sum's scale.
+    from kernels.attn_res import DepthPair, add_to_tracked, track_source_grad
+
+    tokens, hidden = 1000, 2048
+    gen = torch.Generator(device="cuda").manual_seed(40 + num_blocks)
+    blocks = [(torch.randn(tokens, hidden, generator=gen, device="cuda") * (0.5 + i)).bfloat16()
+              for i in range(num_blocks)]
+    params = [[torch.randn(hidden, generator=gen, device="cuda") * 0.3,
+               1 + 0.2 * torch.randn(hidden, generator=gen, device="cuda"),
+               1 + 0.2 * torch.randn(hidden, generator=gen, device="cuda")] for _ in range(3)]
+    weights = [torch.randn(tokens, hidden, generator=gen, device="cuda") for _ in range(2)]
+
+    def grads(deposit):
+        leaves = [b.clone().requires_grad_(True) for b in blocks]
+        prm = [[t.clone().requires_grad_(True) for t in p] for p in params]
+        tracked = [track_source_grad(b) for b in leaves]
+        srcs, sgs = [t for t, _ in tracked], [g for _, g in tracked]
+        link = DepthPair(prm[1][0], prm[1][1]) if paired else None
+        x = depth_attention(srcs, prm[0][0], prm[0][1], source_grads=sgs, out_norm_weight=prm[0][2],
+                            pair=link and link.first)
+        p = torch.tanh(x.float()).bfloat16()
+        p_grad = None
+        if deposit:
+            p, p_grad = track_source_grad(p)
+        y = depth_attention(srcs + [p], prm[1][0], prm[1][1], source_grads=sgs + [p_grad], out_norm_weight=prm[1][2],
+                            pair=link and link.second)
+        o = (torch.sigmoid(y.float()) * weights[0]).bfloat16()
+        closed = add_to_tracked(p, p_grad, o) if deposit else p + o
+        final = depth_attention(srcs + [closed], prm[2][0], prm[2][1], out_norm_weight=prm[2][2])
+        return torch.autograd.grad((final.float() * weights[1]).sum(), leaves + [x] + [t for q in prm for t in q])
+
+    for i, (got, want) in enumerate(zip(grads(True), grads(False))):
+        assert _rel(got, want) <= 1e-2, f"grad {i}: {_rel(got, want):.3e}"
