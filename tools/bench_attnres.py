@@ -85,9 +85,6 @@ def parse_args(argv=None):
     p.add_argument("--ab-backward", action="store_true",
                    help="also time the AttnRes step with the depth-attention backward as on main (streaming kernel, "
                         "no paired backward), in the same process: attnres_main_backward_step_ms")
-    p.add_argument("--ab-partial-grads", action="store_true",
-                   help="also time AttnRes with the partial sums' grads added by autograd (megatron_ext/attn_res/state.py "
-                        "TRACK_PARTIAL_SUMS off), one more model in the interleaved rounds: attnres_partial_by_autograd")
     p.add_argument("--ab-kernel", default="", metavar="NAMES",
                    help="comma list of tools/sweep_attnres_kernels.py CONFIGS names (or a+b: both changes): the AttnRes "
                         "model with that kernel layout as one more model in the interleaved rounds (kernel_layouts)")
@@ -113,9 +110,6 @@ def parse_args(argv=None):
     if bad or (args.profile_layout and args.profile != "attnres"):
         p.error(f"--profile-layout: needs --profile attnres and known layouts (unknown: {bad})")
     return args
-
-
-PARTIAL_BY_AUTOGRAD = "attnres:partial-by-autograd"  # --ab-partial-grads' model in the interleaved rounds
 
 
 def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True, fuse_norm: bool = True,
@@ -227,12 +221,6 @@ def run(args) -> dict:
     more = {"attnres_unpaired": unpaired_config} if args.ab_pair else {}
     layouts = {f"attnres:{name}": attn_res_config for name in args.kernel_layouts}
     scopes = {f"attnres:{name}": functools.partial(layout, changes) for name, changes in args.kernel_layouts.items()}
-    if args.ab_partial_grads:  # the same model with the partial sums' grads left to autograd
-        from megatron_ext.attn_res import state as attn_res_state
-
-        layouts[PARTIAL_BY_AUTOGRAD] = attn_res_config
-        scopes[PARTIAL_BY_AUTOGRAD] = functools.partial(bench_common.constants_layout, attn_res_state,
-                                                        {"TRACK_PARTIAL_SUMS": False})
     interleaved = time_interleaved({"standard": standard_config, "attnres": attn_res_config, **more, **layouts}, shape,
                                    warmup, args.rounds or (10 if cuda else 2), args.steps_per_round or (4 if cuda else 1),
                                    manual_gc=gc_on, scopes=scopes)
@@ -273,11 +261,7 @@ def run(args) -> dict:
                                       "round_ms": interleaved[f"attnres:{name}"]["round_ms"],
                                       "host_ms": interleaved[f"attnres:{name}"]["host_ms"],
                                       "overhead_round_median": interleaved["ratio_median"][f"attnres:{name}"] - 1}
-                               for name, changes in args.kernel_layouts.items()}} if args.kernel_layouts else {}),
-        **({"attnres_partial_by_autograd": {
-            key: interleaved[PARTIAL_BY_AUTOGRAD][key] for key in ("step_ms", "round_ms", "host_ms")}
-            | {"overhead_round_median": interleaved["ratio_median"][PARTIAL_BY_AUTOGRAD] - 1}}
-           if args.ab_partial_grads else {}),
+                               for name, changes in args.kernel_layouts.items()}} if layouts else {}),
         "sequential": {"standard_step_ms": standard["step_ms"], "attnres_step_ms": attn_res["step_ms"]},
         **ab,
         "standard_optimizer_ms": standard["optimizer_ms"],
@@ -319,10 +303,6 @@ def print_table(r: dict) -> None:
             f"{r['overhead_round_median_unpaired']:+.1%}")] if "attnres_unpaired_step_ms" in r else []),
         *[(f"  AttnRes, kernel layout {name} (interleaved)", f"{v['step_ms']:.2f} ms", f"{v['overhead_round_median']:+.1%}")
           for name, v in r.get("kernel_layouts", {}).items()],
-        *([("  AttnRes, partial sums' grads by autograd (interleaved)",
-            f"{r['attnres_partial_by_autograd']['step_ms']:.2f} ms",
-            f"{r['attnres_partial_by_autograd']['overhead_round_median']:+.1%}")]
-          if "attnres_partial_by_autograd" in r else []),
         ("depth attention fwd+bwd, Triton", f"{r['kernel_ms']:.3f} ms", ""),
         ("depth attention fwd+bwd, PyTorch", f"{r['reference_ms']:.3f} ms", ""),
     ]

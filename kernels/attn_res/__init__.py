@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.attn_res.grads import SourceGrad, add_to_tracked, track_source_grad
+from kernels.attn_res.grads import SourceGrad, track_source_grad
 from kernels.attn_res.pair import DepthPair
 from kernels.attn_res.naive import (
     depth_attention_norm_reference,
@@ -40,7 +40,7 @@ from kernels.attn_res.naive import (
 
 __all__ = [
     "depth_attention", "depth_attention_reference", "depth_attention_norm_reference",
-    "track_source_grad", "add_to_tracked", "SourceGrad", "DepthPair",
+    "track_source_grad", "SourceGrad", "DepthPair",
     "depth_attention_unchecked", "resolve_impl", "IMPLEMENTATIONS", "SUPPORTED_DTYPES",
 ]
 

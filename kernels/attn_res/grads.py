@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SourceGrad", "track_source_grad", "add_to_tracked"]
+__all__ = ["SourceGrad", "track_source_grad"]
 
 
 def _graph_task() -> int:
@@ -53,15 +53,6 @@ class SourceGrad:
         """Make ``grad`` (a tensor this object now owns) the sum so far."""
         self._grad = grad
         self._task = _graph_task()
-
-    def deposit(self, grad: torch.Tensor) -> None:
-        """Add one contribution computed elsewhere; the first one is taken as the sum itself, without a copy
-        (later contributions are then added into ``grad`` in place: the caller must not read it afterwards)."""
-        current = self.current()
-        if current is None:
-            self.set(grad if grad.is_contiguous() else grad.contiguous())
-        else:
-            current.add_(grad)
 
     def add_(self, grad: torch.Tensor) -> None:
         """Add one contribution (for implementations that compute it as a separate tensor)."""
@@ -101,36 +92,6 @@ class _TrackSource(torch.autograd.Function):
         if grad is not None:
             summed.add_(grad)
         return summed, None
-
-
-class _AddToTracked(torch.autograd.Function):
-    """``tracked + output``; the backward deposits the sum's grad into ``tracked``'s :class:`SourceGrad`
-    instead of returning it to autograd, and returns the same tensor as ``output``'s grad."""
-
-    @staticmethod
-    def forward(ctx, tracked, output, source_grad):
-        ctx.source_grad = source_grad
-        ctx.set_materialize_grads(False)
-        return tracked + output
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is not None:
-            ctx.source_grad.deposit(grad)
-        return None, grad, None
-
-
-def add_to_tracked(tracked: torch.Tensor, source_grad: SourceGrad, output: torch.Tensor) -> torch.Tensor:
-    """``tracked + output`` for a tracked source whose other readers sum their grads into ``source_grad``.
-
-    Under Block AttnRes a partial sum is read by one depth mix and then added to the next sublayer's
-    output. Left to autograd, the mix's backward writes its grad for the partial sum and autograd adds the
-    sum's grad to it (one more read of two tensors and a write). The sum's backward runs first (the mix
-    feeds the sublayer whose output is added), so here it hands its grad to ``source_grad`` and the mix's
-    kernel adds into that buffer as it writes (``grads.py`` module docstring). That buffer is also
-    ``output``'s grad: the mix's backward, which writes into it, runs after the sublayer's, which reads it.
-    """
-    return _AddToTracked.apply(tracked, output, source_grad)
 
 
 def track_source_grad(source: torch.Tensor) -> tuple[torch.Tensor, SourceGrad]:

@@ -16,11 +16,9 @@ In-place source grads (``attn_res_inplace_source_grads``): every block (the embe
 finished block sum, each block unpacked from a pipeline receive) is read by every later depth
 mix. It is wrapped once, where it enters the state, by ``track_source_grad``; its
 :class:`~kernels.attn_res.SourceGrad` rides along in ``block_grads`` and every mixer passes it
-to ``depth_attention``, whose backwards add their contributions into one buffer. The partial sum
-is tracked too (``partial_grad``): it is read by one mix and then added to the next sublayer's
-output, and that sum (``add_to_tracked``) hands its grad to the partial's ``SourceGrad``, so the
-mix's kernel adds its own contribution into it instead of autograd adding two tensors. Sources
-are tracked only while autograd records (not in a checkpoint's no-grad forward, nor in inference).
+to ``depth_attention``, whose backwards add their contributions into one buffer. Blocks are
+tracked only while autograd records (not in a checkpoint's no-grad forward, nor in inference);
+the partial sum (read by one mix) is never tracked.
 """
 
 from __future__ import annotations
@@ -29,12 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attn_res import SourceGrad, add_to_tracked, track_source_grad
-
-
-# False: partial sums are not tracked and autograd adds their grads as before (the A/B of
-# tools/bench_attnres.py --ab-partial-grads; read when a state is built).
-TRACK_PARTIAL_SUMS = True
+from kernels.attn_res import SourceGrad, track_source_grad
 
 
 def sublayers_per_block(config) -> int:
@@ -77,20 +70,18 @@ class DepthState:
     All tensors are ``[s, b, h]`` (the local sequence shard under sequence parallelism), of one
     shape, dtype and device, contiguous (``add`` checks each new partial sum against ``b_0``, so
     the depth mixers can skip that per call). ``block_grads``: ``None`` (in-place source grads
-    off) or one ``SourceGrad`` (or ``None``: not tracked) per block; ``partial_grad`` the partial
-    sum's (``None`` if off or not tracked). Build states that take in new sources with
-    :meth:`entering` so those are tracked.
+    off) or one ``SourceGrad`` (or ``None``: not tracked) per block. Build states that take in
+    new blocks with :meth:`entering` so those are tracked.
     """
 
     blocks: list[torch.Tensor]
     partial: torch.Tensor | None = None
     block_grads: list[SourceGrad | None] | None = None
-    partial_grad: SourceGrad | None = None
 
     @staticmethod
     def entering(blocks, partial=None, track: bool = False, known: "DepthState | None" = None) -> "DepthState":
-        """A state whose ``blocks`` after ``known``'s (all of them, without ``known``) and ``partial`` are new
-        here: with ``track`` each is wrapped by ``track_source_grad`` (where autograd records)."""
+        """A state whose ``blocks`` after ``known``'s (all of them, without ``known``) are new here:
+        with ``track`` each new block is wrapped by ``track_source_grad`` (where autograd records)."""
         blocks = list(blocks)
         start = len(known.blocks) if known is not None else 0
         for i in range(start, len(blocks)):
@@ -103,8 +94,7 @@ class DepthState:
         for i in range(start, len(blocks)):
             blocks[i], grad = _track(blocks[i], True)
             grads.append(grad)
-        partial, partial_grad = _track(partial, TRACK_PARTIAL_SUMS) if partial is not None else (None, None)
-        return DepthState(blocks, partial, grads, partial_grad)
+        return DepthState(blocks, partial, grads)
 
     def sources(self) -> list[torch.Tensor]:
         return self.blocks if self.partial is None else [*self.blocks, self.partial]
@@ -113,24 +103,18 @@ class DepthState:
         """One ``SourceGrad`` or ``None`` per entry of :meth:`sources`; ``None`` if off."""
         if self.block_grads is None:
             return None
-        return self.block_grads if self.partial is None else [*self.block_grads, self.partial_grad]
+        return self.block_grads if self.partial is None else [*self.block_grads, None]
 
     def add(self, output: torch.Tensor, close: bool) -> "DepthState":
         """Add a sublayer's output to the partial sum; ``close`` ends the block with it."""
-        if self.partial is None:
-            partial = output
-        elif self.partial_grad is not None:  # its grad from this sum goes to partial_grad (module docstring)
-            partial = add_to_tracked(self.partial, self.partial_grad, output)
-        else:
-            partial = self.partial + output
+        partial = output if self.partial is None else self.partial + output
         partial = _alike(partial, self.blocks[0], "sublayer output")
+        if not close:
+            return DepthState(self.blocks, partial, self.block_grads)
         if self.block_grads is None:
-            return DepthState([*self.blocks, partial], None) if close else DepthState(self.blocks, partial)
-        if close:
-            block, grad = _track(partial, True)
-            return DepthState([*self.blocks, block], None, [*self.block_grads, grad])
-        partial, grad = _track(partial, TRACK_PARTIAL_SUMS)
-        return DepthState(self.blocks, partial, self.block_grads, grad)
+            return DepthState([*self.blocks, partial], None)
+        block, grad = _track(partial, True)
+        return DepthState([*self.blocks, block], None, [*self.block_grads, grad])
 
     # -- flat form: for activation checkpointing, whose functions take and return tensors ----
     def flat(self) -> tuple[torch.Tensor, ...]:

@@ -91,23 +91,18 @@ RECOMPUTE_FIRST_LAYER = dict(recompute_granularity="full", recompute_method="blo
 
 
 def inplace_source_grads(num_blocks: int, **overrides):
-    """Logits and grads with in-place source-grad sums off and on, and per tracked source (blocks and
-    partial sums, in the order they were tracked) the number of contributions added into its
-    ``SourceGrad`` in the backward pass (by the mixers, and by the sums that consume a partial sum)."""
+    """Logits and grads with in-place source-grad sums off and on, and per tracked block the
+    number of contributions added into its ``SourceGrad`` in the backward pass."""
     from kernels.attn_res import SourceGrad
     from megatron_ext.attn_res import state as state_module
 
     tokens, pos = _batch()
     results, counts = [], {}
-    add_, deposit, track = SourceGrad.add_, SourceGrad.deposit, state_module.track_source_grad
+    add_, track = SourceGrad.add_, state_module.track_source_grad
 
     def counting_add(self, grad):
         counts[id(self)] += 1
         return add_(self, grad)
-
-    def counting_deposit(self, grad):
-        counts[id(self)] += 1
-        return deposit(self, grad)
 
     def counting_track(source):
         tracked, source_grad = track(source)
@@ -120,12 +115,11 @@ def inplace_source_grads(num_blocks: int, **overrides):
         )
         runner.randomise_mixers([model])
         probe = torch.randn(*tokens.shape, model.config.padded_vocab_size(), generator=torch.Generator().manual_seed(5))
-        SourceGrad.add_, SourceGrad.deposit, state_module.track_source_grad = (
-            counting_add, counting_deposit, counting_track)
+        SourceGrad.add_, state_module.track_source_grad = counting_add, counting_track
         try:
             results.append(_logits_and_grads(model, lambda: model(tokens, pos, None), probe))
         finally:
-            SourceGrad.add_, SourceGrad.deposit, state_module.track_source_grad = add_, deposit, track
+            SourceGrad.add_, state_module.track_source_grad = add_, track
     return results[0], results[1], list(counts.values())
 
 
