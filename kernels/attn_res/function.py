@@ -1,16 +1,12 @@
-"""The autograd Function around the fused Triton kernels (``fused.py``)."""
+"""The autograd Function around the fused Triton kernels (launchers in ``fused.py`` and ``backward.py``)."""
 
 from __future__ import annotations
 
 import torch
 
 from kernels.attn_res import fused, pair
-from kernels.attn_res.fused import (
-    PairedCall,
-    fused_depth_attention_backward_sums,
-    fused_depth_attention_forward,
-    parameter_grads,
-)
+from kernels.attn_res.backward import PairedCall, fused_depth_attention_backward_sums, parameter_grads
+from kernels.attn_res.fused import fused_depth_attention_forward
 
 # Position of the first source in FusedDepthAttention.apply's arguments.
 _FIRST_SOURCE = 10

@@ -51,7 +51,7 @@ class _Role:
 
 
 class _Deferred:
-    """The second call's backward inputs for the shared sources (``fused.PairedCall``), its ``g``
+    """The second call's backward inputs for the shared sources (``backward.PairedCall``), its ``g``
     over its other sources, which of its parameter grads are wanted, and the shared ``SourceGrad``s."""
 
     __slots__ = ("call", "g", "needs", "source_grads", "task")

@@ -6,7 +6,7 @@ any store, with the sources held as loaded in tuples, so a program keeps far mor
 streaming kernel in ``fused.py`` (which loads one source ahead). With ``RELOAD`` (the default,
 ``fused.BACKWARD_RELOAD``) the grad loop reads each source again (an L2 hit) and its old grad next to its
 store, which leaves registers for one row over 4 warps, two programs per SM. It can also serve a paired second call
-(``fused.PairedCall``: the MLP sublayer's mix over the same blocks as the attention sublayer's), writing
+(``backward.PairedCall``: the MLP sublayer's mix over the same blocks as the attention sublayer's), writing
 both calls' source gradients in one read-modify-write of each shared block. The maths per source is the
 streaming kernel's (module docstring of ``fused.py``).
 """
@@ -239,7 +239,7 @@ def _depth_attention_finish_kernel(
 
     ``PARAMETER_GRADS``: the parameters' grads are written instead, each in its own dtype: from row 0
     (``g``) ``grad_query = g * norm_weight`` and ``grad_norm_weight = g * query`` (fp32 products, as
-    ``fused.parameter_grads`` computes them), and row 1, if ROWS = 2, as ``grad_out_norm`` (the fused
+    ``backward.parameter_grads`` computes them), and row 1, if ROWS = 2, as ``grad_out_norm`` (the fused
     output norm's ``dgamma_o``); three small torch ops fewer per call (host time)."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     col_mask = cols < H

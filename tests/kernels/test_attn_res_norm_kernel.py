@@ -147,7 +147,7 @@ def finish_kernel_parameter_grads(param_dtype, device="cpu"):
     """(kernel grads, torch products of the fp32 sums, the fp32 products) of one fused-norm call's
     parameters: the finish kernel's grad_query = g * gamma, grad_norm_weight = g * w, grad_out_norm = g_o
     against the torch ops they replaced; also checks that the source grads are the same either way."""
-    from kernels.attn_res import fused
+    from kernels.attn_res import backward as launchers, fused
 
     sources, query, norm_weight, out_norm_weight, grad = (t.to(device) for t in _inputs(4, 37, 48, seed=5))
     query, norm_weight, out_norm_weight = (t.to(param_dtype) for t in (query, norm_weight, out_norm_weight))
@@ -157,7 +157,7 @@ def finish_kernel_parameter_grads(param_dtype, device="cpu"):
 
     def backward(parameter_grads):
         dests = [torch.empty_like(v) for v in views]
-        return fused.fused_depth_attention_backward_sums(
+        return launchers.fused_depth_attention_backward_sums(
             views, query, norm_weight, EPS, out, lse, grad, dests, [False] * len(views), out_norm_weight,
             OUT_NORM_EPS, out_rstd, need_out_norm_weight=True, parameter_grads=parameter_grads), dests
 
@@ -166,7 +166,7 @@ def finish_kernel_parameter_grads(param_dtype, device="cpu"):
     assert in_kernel.g is None and all(torch.equal(a, b) for a, b in zip(dests_kernel, dests_sums))
     got = (in_kernel.grad_query, in_kernel.grad_norm_weight, in_kernel.grad_out_norm_weight)
     exact = (sums.g * norm_weight.float(), sums.g * query.float(), sums.g_out_norm)
-    want = (*fused.parameter_grads(sums.g, query, norm_weight), sums.g_out_norm.to(param_dtype))
+    want = (*launchers.parameter_grads(sums.g, query, norm_weight), sums.g_out_norm.to(param_dtype))
     for g in got:
         assert g.dtype == param_dtype and g.abs().max() > 0
     return got, want, exact

@@ -61,12 +61,14 @@ def _close(a, b, what):
 
 def _backward(fused, changes, *args, olds, accumulate, **kwargs):
     """Source grads (accumulated into copies of ``olds``) and sums of one backward launch with ``changes``."""
+    from kernels.attn_res.backward import fused_depth_attention_backward_sums as backward_sums
+
     saved = {name: getattr(fused, name) for name in changes}
     try:
         for name, value in changes.items():
             setattr(fused, name, value)
         grads = [o.clone() for o in olds]
-        sums = fused.fused_depth_attention_backward_sums(*args, grads, accumulate, **kwargs)
+        sums = backward_sums(*args, grads, accumulate, **kwargs)
     finally:
         for name, value in saved.items():
             setattr(fused, name, value)
@@ -118,6 +120,8 @@ def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32):
     """A pair as pair.py runs it: the second call's own source (a subset pass over its lse), then the first
     call with the second's grads over the shared sources (accumulated into; the own source's grad written).
     Returns (grads, g, g_out_norm, g2, g_out_norm2) and the two calls' inputs, and the old grads."""
+    from kernels.attn_res import backward
+
     gen = torch.Generator().manual_seed(100 * shared + 10 * tokens + norm)
     sources, query, gamma, gamma_o, dy = _call(gen, shared, tokens, norm, dtype)
     own = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
@@ -126,7 +130,7 @@ def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32):
     out2, lse2, rstd2 = _forward(fused, sources2, query2, gamma2, gamma_o2)
     out2 = out2.float()  # the second call of a pair saves its output in fp32 (function.py, out_dtype)
     olds = [torch.randn(tokens, HIDDEN, generator=gen).to(dtype) for _ in range(shared)]
-    pair = fused.PairedCall(shared, query2, gamma2, out2, dy2, lse2, gamma_o2, rstd2, OUT_NORM_EPS)
+    pair = backward.PairedCall(shared, query2, gamma2, out2, dy2, lse2, gamma_o2, rstd2, OUT_NORM_EPS)
     norm_kwargs = dict(out_norm_eps=OUT_NORM_EPS, need_out_norm_weight=norm)
     own_grad, own_sums = _backward(fused, changes, [own], query2, gamma2, EPS, out2, lse2, dy2, olds=[own],
                                    accumulate=[False], out_norm_weight=gamma_o2, out_rstd=rstd2, subset=True,
@@ -194,12 +198,13 @@ def test_packed_rows_equal_default_in_16_bit(variant, dtype):
 
 def test_rows_packed_only_where_even_and_aligned():
     import kernels.attn_res.fused as fused
+    from kernels.attn_res import backward
 
     rows = torch.zeros(3, 16, dtype=torch.bfloat16)
     assert fused._packable(16, [rows], rows.float(), None)
     assert not fused._packable(15, [rows])  # odd h
     assert not fused._packable(16, [rows], torch.zeros(49, dtype=torch.bfloat16)[1:].view(3, 16))  # 2-byte aligned
     assert fused._packable(16, torch.zeros(49)[1:].view(3, 16))  # fp32: not packed, any alignment
-    pair = fused.PairedCall(1, None, None, torch.zeros(33, dtype=torch.float16)[1:].view(2, 16), rows, None, None,
-                            None, 0.0)
+    pair = backward.PairedCall(1, None, None, torch.zeros(33, dtype=torch.float16)[1:].view(2, 16), rows, None, None,
+                               None, 0.0)
     assert not fused._packable(16, [rows], pair)
