@@ -268,13 +268,13 @@ def count_step(variant: str = "ours_full", warmup: int = 2) -> OpCounter:
     from megatron.core import parallel_state as ps
 
     from megatron_ext.training.step import forward_backward
-    from tools import bench_common, bench_e2e
+    from tools import bench_common, bench_e2e, e2e_rows
 
     args = bench_e2e.parse_args(["--smoke", "--variants", variant])
     bench_common.init_process_group(cuda=False)
     bench_common.init_expert_parallel(seed=1234)
     try:
-        build, config, after_step, _flops, seq, micro_batch = bench_e2e.variant_setup(variant, args, cuda=False)
+        build, config, after_step, _flops, seq, micro_batch = e2e_rows.variant_setup(variant, args, cuda=False)
         chunks, optimizer = bench_common.build_training_state(build, config, fast_step=True)
         batch = [bench_common.synthetic_batch(args.sizes["vocab"], seq, micro_batch, torch.device("cpu"))]
         counter = OpCounter()

@@ -59,8 +59,8 @@ import triton
 # The kernels live in their own files; they stay reachable here by name (tools and tests look them up on this
 # module, e.g. tools/bench_attnres_overhead.py stubs them, and the launchers resolve them here at call time).
 from kernels.attn_res.fwd_kernel import _depth_attention_fwd_kernel
-from kernels.attn_res.preload_bwd import _depth_attention_bwd_preload_kernel, _depth_attention_finish_kernel
-from kernels.attn_res.stream_bwd import _depth_attention_bwd_kernel
+from kernels.attn_res.preload_bwd import _depth_attention_bwd_preload_kernel, _depth_attention_finish_kernel  # noqa: F401
+from kernels.attn_res.stream_bwd import _depth_attention_bwd_kernel  # noqa: F401
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_e2e import VARIANTS, format_table, write_json
+from tools.bench_e2e import format_table, write_json
+from tools.e2e_rows import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"name", "gpus", "seq", "tokens_per_sec", "tflops", "mfu", "peak_gb"}
@@ -86,7 +87,8 @@ def test_two_gpu_rows_get_their_scaling_efficiency(tmp_path):
 def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(capsys, monkeypatch):
     import torch.distributed as dist
 
-    from tools.bench_e2e import GPU_SIZES, parse_args, routing_layout, variant_shape
+    from tools.bench_e2e import parse_args
+    from tools.e2e_rows import GPU_SIZES, routing_layout, variant_shape
 
     args = parse_args(["--variants", "ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager"])
     assert args.variants == ["ours_full_16k", "ours_full_16k+eager"] * 2  # ABAB stays in order
@@ -126,7 +128,8 @@ def test_row_layouts_apply_their_kernels_inside_and_restore_them():
     rounds hold while that row runs only."""
     import kernels.kda.chunk as chunk
     from megatron_ext.moe import quantile_capacity
-    from tools.bench_e2e import parse_args, row_layout, split_variant
+    from tools.bench_e2e import parse_args
+    from tools.e2e_rows import row_layout, split_variant
 
     name = "ours_full_16k+eager+torch-rounds@state-bv32"
     assert parse_args(["--variants", name]).variants == [name]
@@ -157,7 +160,8 @@ def test_no_attnres_rows_build_the_same_model_with_standard_residuals(monkeypatc
 
     import torch.distributed as dist
 
-    from tools.bench_e2e import SMOKE_SIZES, ours_config, parse_args, split_variant
+    from tools.bench_e2e import parse_args
+    from tools.e2e_rows import SMOKE_SIZES, ours_config, split_variant
 
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
     assert parse_args(["--variants", "ours_full_16k+no-attnres"]).variants == ["ours_full_16k+no-attnres"]
