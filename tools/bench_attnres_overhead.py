@@ -69,8 +69,7 @@ def _time(fn, reps: int, trials: int = 5) -> float:
     calling thread); CUDA: wall time from a synchronised start to a synchronised end (a sync's spin would
     count as CPU time)."""
     clock = time.perf_counter if CUDA else time.thread_time
-    for _ in range(min(50, reps)):
-        fn()
+    _warm_up(fn, reps)
     best = float("inf")
     for _ in range(trials):
         if CUDA:
@@ -82,6 +81,14 @@ def _time(fn, reps: int, trials: int = 5) -> float:
             torch.cuda.synchronize()
         best = min(best, clock() - start)
     return best / reps / CALLS_PER_GRAPH * 1e6
+
+
+def _warm_up(fn, reps: int) -> None:
+    """Up to 50 untimed calls (compiles, caches, allocator), then the device drained."""
+    for _ in range(min(50, reps)):
+        fn()
+    if CUDA:
+        torch.cuda.synchronize()
 
 
 def make_graph(n: int, tracked: bool, via_mixer: bool):
@@ -129,10 +136,7 @@ def profile(n: int, reps: int, top: int = 30) -> None:
     import pstats
 
     run = make_graph(n, tracked=True, via_mixer=True)[1]
-    for _ in range(min(50, reps)):
-        run()
-    if CUDA:
-        torch.cuda.synchronize()
+    _warm_up(run, reps)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(reps):
