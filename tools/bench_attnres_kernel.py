@@ -199,8 +199,7 @@ def schedule_step(device, dtype, tokens, hidden, layers=8, seed=0):
     the model makes them with blocks of 2 sublayers (``megatron_ext/attn_res``): each layer's
     attention mixer over the blocks, a stand-in sublayer ``p = x / 2``, the MLP mixer over the
     blocks + p (paired with the attention mixer when asked), the block closed as ``p + y / 2``;
-    then the final mix over all blocks (with ``pair_final``, as the last layer's pair's third call). Every block
-    tracked (in-place grads), norms fused."""
+    then the final mix over all blocks. Every block tracked (in-place grads), norms fused."""
     import torch
 
     from kernels.attn_res import DepthPair, depth_attention, track_source_grad
@@ -214,14 +213,12 @@ def schedule_step(device, dtype, tokens, hidden, layers=8, seed=0):
     mixers = [(param(0.1), param(0.1, 1.0), param(0.1, 1.0)) for _ in range(2 * layers + 1)]
     grad_out = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
 
-    def step(pair_on, pair_final=False):
+    def step(pair_on):
         tracked, source_grad = track_source_grad(embedding)
         blocks, grads = [tracked], [source_grad]
-        q, g, o = mixers[-1]
         for k in range(layers):
             (q1, g1, o1), (q2, g2, o2) = mixers[2 * k], mixers[2 * k + 1]
-            final = pair_on and pair_final and k == layers - 1
-            pair = (DepthPair(q2, g2, q, g) if final else DepthPair(q2, g2)) if pair_on else None
+            pair = DepthPair(q2, g2) if pair_on else None
             x = depth_attention(blocks, q1, g1, impl="triton", source_grads=grads, out_norm_weight=o1,
                                 pair=pair and pair.first)
             p = x * 0.5
@@ -229,8 +226,8 @@ def schedule_step(device, dtype, tokens, hidden, layers=8, seed=0):
                                 pair=pair and pair.second)
             block, block_grad = track_source_grad(p + y * 0.5)
             blocks, grads = blocks + [block], grads + [block_grad]
-        out = depth_attention(blocks, q, g, impl="triton", source_grads=grads, out_norm_weight=o,
-                              pair=pair.third if pair is not None else None)
+        q, g, o = mixers[-1]
+        out = depth_attention(blocks, q, g, impl="triton", source_grads=grads, out_norm_weight=o)
         leaves = [embedding, *[t for m in mixers for t in m]]
         return torch.autograd.grad(out, leaves, grad_out)
 

@@ -100,8 +100,6 @@ CONFIGS = [
     ("bwd-stages2", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2}),  # 255, 140 | 255, 336; 3.35
     ("bwd-stages2-8vpt", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2,
                           "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 155 | 199, 0; 3.83
-    # the next tile's rows bulk-prefetched into L2 before each tile's loads (no registers): 255, 16 | 255, 128
-    ("bwd-l2", {"BACKWARD_L2_PREFETCH": True}),
 ]
 KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",
            "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}

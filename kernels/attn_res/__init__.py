@@ -81,9 +81,9 @@ def depth_attention(
             consumer's norm, fused into the op): returns
             ``out * rsqrt(mean(out^2) + out_norm_eps) * out_norm_weight`` instead of ``out``.
         out_norm_eps: that norm's epsilon.
-        pair: optional, with a list of sources only: ``DepthPair.first``, ``.second`` or ``.third``
-            of a :class:`DepthPair` linking this call with one or two others that read the same
-            leading (tracked) sources; their backwards then read those sources once (``pair.py``).
+        pair: optional, with a list of sources only: ``DepthPair.first`` or ``.second`` of a
+            :class:`DepthPair` linking this call with another that reads the same leading
+            (tracked) sources; their backwards then read those sources once (``pair.py``).
             Ignored by the ``torch`` implementation.
 
     Returns:
@@ -105,8 +105,7 @@ def depth_attention(
     if stacked:
         if impl == "triton":
             return _fused_function().apply(
-                query, norm_weight, out_norm_weight, None, None, None, None, eps, out_norm_eps, True, None, None,
-                flat[0]
+                query, norm_weight, out_norm_weight, None, None, eps, out_norm_eps, True, None, None, flat[0]
             )
         return depth_attention_recompute(flat[0], query, norm_weight, eps, None, out_norm_weight, out_norm_eps)
     return depth_attention_unchecked(
@@ -135,7 +134,8 @@ def depth_attention_unchecked(
     device, ``out_norm_eps`` a float. ``DepthMixer`` calls it after one checked call.
     """
     if impl == "triton":
-        partner = pair.pair.partner_parameters if pair is not None and pair.index == 0 else (None,) * 4
+        partner = (pair.pair.second_query, pair.pair.second_norm_weight) if pair is not None and pair.index == 0 else (
+            None, None)
         return _fused_function().apply(
             query, norm_weight, out_norm_weight, *partner, eps, out_norm_eps, False, source_grads, pair, *sources
         )

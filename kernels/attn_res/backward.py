@@ -1,8 +1,7 @@
 """Launchers of the depth-attention backward (kernels in ``preload_bwd.py`` and ``stream_bwd.py``; the maths in
 ``fused.py``'s module docstring, the layout constants there too, read at call time so that the benchmarks can
-sweep them): one call's source grads and its parameter sums, optionally with one or two partner calls over
-its leading sources (``PairedCall``, ``pair.py``), and the finish kernel that adds up the per-program partial
-sums."""
+sweep them): one call's source grads and its parameter sums, optionally paired with a second call
+(``PairedCall``, ``pair.py``), and the finish kernel that adds up the per-program partial sums."""
 
 from __future__ import annotations
 
@@ -14,17 +13,15 @@ import torch
 from kernels.attn_res import fused
 
 _PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
-# Partner calls one backward launch can take (the kernel's row reductions are written for 1 and 2).
-MAX_PARTNERS = 2
 
 
 @dataclass(frozen=True)
 class PairedCall:
-    """A partner: another depth-attention call whose first ``count`` sources are the first ``count``
+    """A second depth-attention call whose first ``count`` sources are the first ``count``
     sources of the call being differentiated (same tensors, same key-norm ``eps``, both with or
     both without the fused output norm): its backward inputs. The paired backward adds its
     gradient for those sources in the same pass (``_depth_attention_bwd_preload_kernel``,
-    ``PAIRED``, ``PARTNERS``)."""
+    ``PAIRED``)."""
 
     count: int
     query: torch.Tensor
@@ -40,14 +37,14 @@ class PairedCall:
 @dataclass
 class BackwardSums:
     """fp32 ``[h]`` sums of one backward launch: ``g`` (this call's ``sum dlogit r v``; ``dw = g
-    gamma``, ``dgamma = g w``), ``g_out_norm`` (``dgamma_o``, with the fused norm) and ``g2`` (each
-    partner call's ``g`` over the shared sources, in the order the partners were given). With ``parameter_grads`` the finish kernel wrote
+    gamma``, ``dgamma = g w``), ``g_out_norm`` (``dgamma_o``, with the fused norm) and ``g2`` (the
+    paired call's ``g`` over the shared sources). With ``parameter_grads`` the finish kernel wrote
     the grads themselves instead (``grad_query``, ``grad_norm_weight``, ``grad_out_norm_weight``, each
     in its parameter's dtype) and ``g`` / ``g_out_norm`` are ``None``."""
 
     g: torch.Tensor | None
     g_out_norm: torch.Tensor | None = None
-    g2: tuple[torch.Tensor, ...] = ()
+    g2: torch.Tensor | None = None
     grad_query: torch.Tensor | None = None
     grad_norm_weight: torch.Tensor | None = None
     grad_out_norm_weight: torch.Tensor | None = None
@@ -68,15 +65,15 @@ def fused_depth_attention_backward_sums(
     out_rstd: torch.Tensor | None = None,
     need_out_norm_weight: bool = False,
     subset: bool = False,
-    paired: Sequence[PairedCall] = (),
+    paired: PairedCall | None = None,
     parameter_grads: bool = False,
 ) -> BackwardSums:
     """Writes (or, where ``accumulate[i]``, adds) each source's grad into ``grad_sources[i]``
     (contiguous, the sources' shape) and returns the fp32 sums (:class:`BackwardSums`). With
     ``out_norm_weight`` (and the forward's ``out_rstd``), ``grad_out`` is the grad of ``normed =
     RMSNorm(out)``. ``subset``: ``sources`` are only some of the call's sources (its ``lse``
-    covers all). ``paired``: up to ``MAX_PARTNERS`` partner calls, all over the same first ``count`` sources:
-    their gradients are added into the same grads (their ``g`` over those sources in ``g2``). ``subset`` and
+    covers all). ``paired``: also the gradient of a second call for the first ``paired.count``
+    sources (added into the same grads; its ``g`` over them in ``g2``). ``subset`` and
     ``paired`` need the preload kernel (``fused.BACKWARD_KERNEL``). ``parameter_grads`` (preload kernel, neither
     ``subset`` nor ``paired``): return the parameters' grads in their dtypes, computed by the finish
     kernel, instead of the fp32 sums."""
@@ -84,20 +81,16 @@ def fused_depth_attention_backward_sums(
     norm_out = out_norm_weight is not None
     device = grad_out.device
     preload = fused.BACKWARD_KERNEL == "preload"
-    paired = tuple(paired)
-    if (subset or paired) and not preload:
+    if (subset or paired is not None) and not preload:
         raise ValueError("subset / paired backward needs fused.BACKWARD_KERNEL = 'preload'")
-    if len(paired) > MAX_PARTNERS or len({call.count for call in paired}) > 1:
-        raise ValueError(f"at most {MAX_PARTNERS} partner calls, all over the same sources: "
-                         f"counts {[call.count for call in paired]}")
-    if any((call.out_norm_weight is not None) != norm_out for call in paired):
+    if paired is not None and (paired.out_norm_weight is not None) != norm_out:
         raise ValueError("a paired call must have the fused output norm iff this call has it")
-    if parameter_grads and (subset or paired or not preload):
+    if parameter_grads and (subset or paired is not None or not preload):
         raise ValueError("parameter_grads needs the preload kernel and neither subset nor paired")
-    rows = 1 + (norm_out and need_out_norm_weight) + len(paired)
+    rows = 1 + (norm_out and need_out_norm_weight) + (paired is not None)
     if T == 0:
         zero = torch.zeros(H, dtype=torch.float32, device=device)
-        sums = BackwardSums(zero, zero if norm_out else None, (zero,) * len(paired))
+        sums = BackwardSums(zero, zero if norm_out else None, zero if paired is not None else None)
         return _as_parameter_grads(sums, query, norm_weight, out_norm_weight) if parameter_grads else sums
     mask = 0
     for i, flag in enumerate(accumulate):
@@ -108,13 +101,11 @@ def fused_depth_attention_backward_sums(
         kernel = fused._depth_attention_bwd_preload_kernel
         cfg = fused.launch_config(H, fused.BACKWARD_TILE_ELEMENTS, fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
         kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, NORM_OUT=norm_out,
-                      SUBSET=subset, PAIRED=paired[0].count if paired else 0, PARTNERS=len(paired),
+                      SUBSET=subset, PAIRED=0 if paired is None else paired.count,
                       OUT_NORM_GRAD=norm_out and need_out_norm_weight, RELOAD=fused.BACKWARD_RELOAD,
                       PIPELINE=fused.BACKWARD_PIPELINE, STAGES=fused.BACKWARD_TILE_STAGES,
-                      PACK=fused.BACKWARD_PACK_ROWS and fused._packable(H, sources, grad_sources, out, grad_out,
-                                                                        *((c.out, c.grad_out) for c in paired)),
-                      L2_PREFETCH=fused.BACKWARD_L2_PREFETCH and fused._bulk_prefetchable(
-                          H, sources, grad_sources, out, grad_out, *((c.out, c.grad_out) for c in paired)))
+                      PACK=fused.BACKWARD_PACK_ROWS
+                      and fused._packable(H, sources, grad_sources, out, grad_out, paired))
     else:
         kernel = fused._depth_attention_bwd_kernel
         cfg = fused.backward_launch_config(H, norm_out)
@@ -122,31 +113,27 @@ def fused_depth_attention_backward_sums(
                       FUSE_REDUCTIONS=fused.BACKWARD_FUSE_REDUCTIONS, PREFETCH=fused.BACKWARD_PREFETCH,
                       NORM_OUT=norm_out)
     key = (device, kernel, *kwargs.values(), cfg, sources[0].dtype, out.dtype,
-           tuple(call.out.dtype for call in paired), fused.BACKWARD_PROGRAMS_PER_SM)
+           None if paired is None else paired.out.dtype, fused.BACKWARD_PROGRAMS_PER_SM)
     capacity = fused._backward_capacities.get(key)
     programs = max(1, min(-(-T // cfg.block_t), capacity or 1))
     # One fp32 buffer for every per-program partial-sum array, [rows, programs, h]: g, then
-    # g_out_norm (if computed), then each partner's g2; the stream kernel always writes g_out_norm.
+    # g_out_norm (if computed), then g2 (if paired); the stream kernel always writes g_out_norm.
     rows_alloc = rows if preload else 1 + norm_out
     while True:
         partial = torch.empty((rows_alloc, programs, H), dtype=torch.float32, device=device)
         row_g_out_norm = partial[1] if (norm_out and (need_out_norm_weight or not preload)) else partial[0]
         if preload:
-            first = len(partial) - len(paired)  # the partners' g2 rows
-            # Unpaired, the partner tuples hold this call's pointers once (never read: PARTNERS = 0).
-            calls = paired or (PairedCall(0, query, norm_weight, out, grad_out, lse, out_norm_weight, out_rstd,
-                                          out_norm_eps),)
-            partner_pointers = (
-                tuple(call.query for call in calls), tuple(call.norm_weight for call in calls),
-                tuple(call.out for call in calls), tuple(call.grad_out for call in calls),
-                tuple(call.lse for call in calls),
-                tuple(call.out_norm_weight if norm_out else call.norm_weight for call in calls),
-                tuple(call.out_rstd if norm_out else call.lse for call in calls),
-                tuple(partial[first + k] if paired else partial[0] for k in range(len(calls))),
+            p2 = paired
+            pointers = (
+                query if p2 is None else p2.query, norm_weight if p2 is None else p2.norm_weight,
+                out if p2 is None else p2.out, grad_out if p2 is None else p2.grad_out, lse if p2 is None else p2.lse,
+                (out_norm_weight if norm_out else norm_weight) if p2 is None or not norm_out else p2.out_norm_weight,
+                (out_rstd if norm_out else lse) if p2 is None or not norm_out else p2.out_rstd,
+                partial[rows - 1] if p2 is not None else partial[0],
             )
             args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, partial[0],
                     out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, row_g_out_norm,
-                    *partner_pointers, T, H, eps, out_norm_eps, tuple(call.out_norm_eps for call in calls)]
+                    *pointers, T, H, eps, out_norm_eps, out_norm_eps if p2 is None else p2.out_norm_eps]
         else:
             args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, partial[0],
                     out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, row_g_out_norm,
@@ -161,14 +148,14 @@ def fused_depth_attention_backward_sums(
     if not preload:
         sums = partial.sum(dim=1)
         return BackwardSums(sums[0], sums[1] if norm_out else None)
-    return _finish_sums(partial, len(paired), parameter_grads, query, norm_weight, out_norm_weight)
+    return _finish_sums(partial, paired is not None, parameter_grads, query, norm_weight, out_norm_weight)
 
 
-def _finish_sums(partial: torch.Tensor, partners: int, parameter_grads: bool, query: torch.Tensor,
+def _finish_sums(partial: torch.Tensor, paired: bool, parameter_grads: bool, query: torch.Tensor,
                 norm_weight: torch.Tensor, out_norm_weight: torch.Tensor | None) -> BackwardSums:
     """Adds up a backward's per-program partial rows, ``partial [rows, programs, h]`` fp32 (``g``, then
-    ``g_out_norm`` if there are more rows than ``1 + partners``, then each partner's ``g2``), in one launch of
-    the finish kernel; with ``parameter_grads`` it writes the parameters' grads instead (:class:`BackwardSums`)."""
+    ``g_out_norm`` if there are more rows than ``1 + paired``, then ``g2`` if ``paired``), in one launch of the
+    finish kernel; with ``parameter_grads`` it writes the parameters' grads instead (:class:`BackwardSums`)."""
     rows, programs, H = partial.shape
     device = partial.device
     grid = (-(-H // fused.FINISH_BLOCK),)
@@ -184,7 +171,7 @@ def _finish_sums(partial: torch.Tensor, partners: int, parameter_grads: bool, qu
     fused._depth_attention_finish_kernel[grid](
         partial, sums, query, norm_weight, partial, partial, partial, H, P=programs,
         ROWS=rows, BLOCK_P=fused.FINISH_BLOCK_P, BLOCK=fused.FINISH_BLOCK, PARAMETER_GRADS=False, num_warps=4)
-    return BackwardSums(sums[0], sums[1] if rows - partners > 1 else None, tuple(sums[rows - partners:]))
+    return BackwardSums(sums[0], sums[1] if rows - paired > 1 else None, sums[rows - 1] if paired else None)
 
 
 def _as_parameter_grads(sums: BackwardSums, query, norm_weight, out_norm_weight) -> BackwardSums:

@@ -9,16 +9,14 @@ from kernels.attn_res.backward import PairedCall, fused_depth_attention_backward
 from kernels.attn_res.fused import fused_depth_attention_forward
 
 # Position of the first source in FusedDepthAttention.apply's arguments.
-_FIRST_SOURCE = 12
-# Positions of the partner calls' (query, norm_weight) in them, by pair role index (1: second, 2: third).
-_PARTNER_ARGUMENTS = {1: 3, 2: 5}
+_FIRST_SOURCE = 10
 
 
 class FusedDepthAttention(torch.autograd.Function):
     """Saves the sources, query, norm weight, the output and ``lse`` (fp32 [T]); one-pass backward.
 
-    ``apply(query, norm_weight, out_norm_weight, partner_query, partner_norm_weight, partner2_query,
-    partner2_norm_weight, eps, out_norm_eps, stacked, source_grads, pair_role, *sources)``:
+    ``apply(query, norm_weight, out_norm_weight, partner_query, partner_norm_weight, eps,
+    out_norm_eps, stacked, source_grads, pair_role, *sources)``:
     with ``stacked`` one contiguous ``[n, ..., h]`` tensor is given (its grad comes back as one
     tensor); otherwise n contiguous ``[..., h]`` tensors (no views are made: the kernels index
     them as ``[T, h]``). ``source_grads`` is ``None`` or one
@@ -26,9 +24,9 @@ class FusedDepthAttention(torch.autograd.Function):
     its grad added into that buffer by the kernel and returns ``None`` to autograd; the others get
     a fresh tensor each.
 
-    ``pair_role``: ``None`` or ``DepthPair.first`` / ``.second`` / ``.third`` (``pair.py``); with
-    ``.first``, the ``partner*`` arguments are the later calls' parameters (``DepthPair.partner_parameters``:
-    this call's backward may return their grads), otherwise ``None``.
+    ``pair_role``: ``None`` or ``DepthPair.first`` / ``.second`` (``pair.py``); with ``.first``,
+    ``partner_query`` / ``partner_norm_weight`` are the second call's parameters (this call's
+    backward may return their grads), otherwise ``None``.
 
     ``out_norm_weight`` ``None``: returns the mix ``out``, which is saved for ``c = dout . out``;
     it is the tensor its consumer (the sublayer's input norm) keeps for its own backward, so no
@@ -38,8 +36,8 @@ class FusedDepthAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, query, norm_weight, out_norm_weight, partner_query, partner_norm_weight, partner2_query,
-                partner2_norm_weight, eps, out_norm_eps, stacked, source_grads, pair_role, *sources):
+    def forward(ctx, query, norm_weight, out_norm_weight, partner_query, partner_norm_weight, eps, out_norm_eps,
+                stacked, source_grads, pair_role, *sources):
         ctx.stacked = stacked
         ctx.source_grads = source_grads
         views = tuple(sources[0].unbind(0)) if stacked else sources
@@ -54,7 +52,7 @@ class FusedDepthAttention(torch.autograd.Function):
                 # Paired only with the norm fused: then the output below is saved in fp32 for a precise c;
                 # unfused it is the tensor the sublayer reads, in the sources' dtype (docs/attn_res.md).
                 ctx.shared = shared if norm_out else 0
-        # A later call of a pair gets c = dout . out from its saved output (its sources are split over two
+        # The second call of a pair gets c = dout . out from its saved output (its sources are split over two
         # backward kernels): saved in fp32, c is as precise as the sum over the sources. With the norm fused
         # that output is saved by this op alone (docs/attn_res.md, Precision of c).
         out_dtype = torch.float32 if ctx.shared else None
@@ -70,7 +68,7 @@ class FusedDepthAttention(torch.autograd.Function):
         needs = ctx.needs_input_grad
         grad_out = grad_out.contiguous()
         role = ctx.pair_role
-        # A later call of a pair: leave the shared sources to the first call's backward.
+        # Second call of a pair: leave the shared sources to the first call's backward.
         shared = ctx.shared if (role is not None and pair.PAIR_BACKWARD and fused.BACKWARD_KERNEL == "preload") else 0
         if ctx.stacked:
             grad_stacked = torch.empty_like(sources[0])
@@ -92,32 +90,32 @@ class FusedDepthAttention(torch.autograd.Function):
                     source_grad.set(current)
                 dests.append(current)
                 returned.append(None)
-        partner_grads = [None] * 4  # (query, norm_weight) of the second and the third call
-        if shared:  # a later call of a pair: its own sources only, the rest deferred
+        grad_partner_query = grad_partner_norm_weight = None
+        if shared:  # the second call of a pair: its own sources only, the rest deferred
             sums = fused_depth_attention_backward_sums(
                 views[shared:], query, norm_weight, ctx.eps, out, lse, grad_out, dests, accumulate,
                 out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2], subset=True,
             )
             call = PairedCall(shared, query, norm_weight, out, grad_out, lse, out_norm_weight, out_rstd,
                               ctx.out_norm_eps)
-            role.pair.defer(role.index, call, sums.g, needs[:2], ctx.source_grads[:shared])
+            role.pair.defer(call, sums.g, needs[:2], ctx.source_grads[:shared])
             grad_query = grad_norm_weight = None  # returned by the first call's backward
         else:
-            deferred = role.pair.take() if role is not None and role.index == 0 else {}
-            in_kernel = not deferred and fused.BACKWARD_KERNEL == "preload"  # grads from the finish kernel
+            deferred = role.pair.take() if role is not None and role.index == 0 else None
+            in_kernel = deferred is None and fused.BACKWARD_KERNEL == "preload"  # grads from the finish kernel
             sums = fused_depth_attention_backward_sums(
                 views, query, norm_weight, ctx.eps, out, lse, grad_out, dests, accumulate,
                 out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2],
-                paired=tuple(entry.call for entry in deferred.values()), parameter_grads=in_kernel,
+                paired=None if deferred is None else deferred.call, parameter_grads=in_kernel,
             )
             if in_kernel:
                 grad_query, grad_norm_weight = sums.grad_query, sums.grad_norm_weight
             else:
                 grad_query, grad_norm_weight = parameter_grads(sums.g, query, norm_weight, needs[0], needs[1])
-            for (index, entry), g2 in zip(deferred.items(), sums.g2):
-                at = _PARTNER_ARGUMENTS[index]
-                partner_grads[at - 3: at - 1] = parameter_grads(
-                    g2 + entry.g, entry.call.query, entry.call.norm_weight, needs[at], needs[at + 1]
+            if deferred is not None:
+                g2 = sums.g2 + deferred.g
+                grad_partner_query, grad_partner_norm_weight = parameter_grads(
+                    g2, deferred.call.query, deferred.call.norm_weight, needs[3], needs[4]
                 )
         if sums.grad_out_norm_weight is not None or not needs[2]:
             grad_out_norm_weight = sums.grad_out_norm_weight if needs[2] else None
@@ -125,5 +123,5 @@ class FusedDepthAttention(torch.autograd.Function):
             grad_out_norm_weight = sums.g_out_norm.to(out_norm_weight.dtype)
         grad_query = grad_query if needs[0] else None
         grad_norm_weight = grad_norm_weight if needs[1] else None
-        return (grad_query, grad_norm_weight, grad_out_norm_weight, *partner_grads,
+        return (grad_query, grad_norm_weight, grad_out_norm_weight, grad_partner_query, grad_partner_norm_weight,
                 None, None, None, None, None, *returned)

@@ -145,9 +145,6 @@ BACKWARD_TILE_STAGES: int | None = None
 # Preload kernel: hold the loaded 2-byte rows as int32 pairs (one register per two values; ptxas kept bf16 values
 # one per 16-bit register and spilled them), where h is even and every such tensor 4-byte aligned.
 BACKWARD_PACK_ROWS = True
-# Preload kernel: prefetch the next tile's rows into L2 (one bulk prefetch per row, sm_90; where every tensor read
-# is 16-byte aligned and a row a multiple of 16 bytes), so a tile's loads wait for L2 instead of HBM.
-BACKWARD_L2_PREFETCH = False
 # 32 columns per finish program (64 programs at h = 2048): 0.28 vs 0.43 ms over the benchmark's 17 calls with
 # 128 (tools/sweep_attnres_kernels.py), now that the 4-warp backward leaves two partial rows per SM.
 FINISH_BLOCK, FINISH_BLOCK_P = 32, 16
@@ -185,20 +182,11 @@ def _one_wave(device: torch.device, kernel, args, kwargs, num_warps: int, per_sm
 
 def _packable(hidden: int, *tensors) -> bool:
     """Rows of h elements can be loaded as int32 pairs: h even and every 2-byte tensor 4-byte aligned.
-    ``tensors``: tensors, sequences of them or ``None``."""
+    ``tensors``: tensors, sequences of them, ``None`` or a ``backward.PairedCall`` (its ``out`` and ``grad_out``)."""
     flat = [t for group in tensors if group is not None
-            for t in ((group,) if isinstance(group, torch.Tensor) else group)]
+            for t in ((group,) if isinstance(group, torch.Tensor) else
+                      group if isinstance(group, (list, tuple)) else (group.out, group.grad_out))]
     return hidden % 2 == 0 and all(t.element_size() != 2 or t.data_ptr() % 4 == 0 for t in flat)
-
-
-def _bulk_prefetchable(hidden: int, *tensors) -> bool:
-    """Rows of h elements can be bulk-prefetched into L2 (``rows._prefetch_rows_l2``): CUDA tensors of a
-    compute capability >= 9.0, every one 16-byte aligned, a row a multiple of 16 bytes. ``tensors``: tensors,
-    sequences of them or ``None``."""
-    flat = [t for group in tensors if group is not None
-            for t in ((group,) if isinstance(group, torch.Tensor) else group)]
-    return (flat[0].is_cuda and torch.cuda.get_device_capability(flat[0].device)[0] >= 9
-            and all(t.data_ptr() % 16 == 0 and hidden * t.element_size() % 16 == 0 for t in flat))
 
 
 def _tokens(source: torch.Tensor) -> tuple[int, int]:

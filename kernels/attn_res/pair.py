@@ -1,4 +1,4 @@
-"""One backward pass over the sources two or three depth-attention calls share (``DepthPair``).
+"""One backward pass over the sources two depth-attention calls share (``DepthPair``).
 
 Under Block AttnRes the attention and the MLP sublayer of one layer mix the same finished
 blocks: the MLP's sources are the attention's plus the partial sum that the attention sublayer
@@ -17,13 +17,6 @@ attention mixer), and each read every shared block and read-modify-wrote its in-
 
 Per layer with m shared blocks this moves ``2 m + 8 + m_acc`` [T, h] tensors instead of
 ``4 m + 6 + 2 m_acc`` (m_acc: shared blocks whose grad is accumulated, i.e. read back).
-
-A third call can join (``third_query`` / ``third_norm_weight``, role ``.third``): the model's final mix, whose
-sources are the last layer's blocks plus the block that layer closes. Its backward runs first of the three and
-defers the shared blocks the same way, so the last layer's attention-mixer backward writes the three calls'
-grads of each block in one store, where the final mix's own backward had written them and the pair had read
-them back and written them again (``(m + 2) + 2 m`` [T, h] tensors fewer at m shared blocks, the final mix's
-output read in fp32: one more).
 
 Pairing needs the shared sources tracked (``track_source_grad``: their grads never go through
 autograd, so it does not matter which node writes them), the same key-norm ``eps`` and both calls
@@ -69,39 +62,25 @@ class _Deferred:
 
 
 class DepthPair:
-    """Links depth-attention calls for a shared backward: pass ``pair.first`` to the call that runs
-    first in forward (the attention mixer), ``pair.second`` to the one after it that reads the same
-    leading sources (the MLP mixer) and, if ``third_query`` is given, ``pair.third`` to a third such
-    call (the final mix). ``second_query`` / ``second_norm_weight`` (and the third's) are the later
-    calls' ``query`` and ``norm_weight``: the first call's backward returns their grads.
+    """Links two depth-attention calls for a shared backward: pass ``pair.first`` to the call that
+    runs first in forward (the attention mixer) and ``pair.second`` to the one after it that reads
+    the same leading sources (the MLP mixer). ``second_query`` / ``second_norm_weight`` are the
+    second call's ``query`` and ``norm_weight``: the first call's backward returns their grads."""
 
-    The later calls must share the same number of leading sources (the kernel takes one count): the
-    first later call that shares any fixes it, and one that shares another number runs its own backward."""
-
-    def __init__(self, second_query: torch.Tensor, second_norm_weight: torch.Tensor,
-                 third_query: torch.Tensor | None = None, third_norm_weight: torch.Tensor | None = None):
-        self.partner_parameters = (second_query, second_norm_weight, third_query, third_norm_weight)
+    def __init__(self, second_query: torch.Tensor, second_norm_weight: torch.Tensor):
+        self.second_query, self.second_norm_weight = second_query, second_norm_weight
         self.first, self.second = _Role(self, 0), _Role(self, 1)
-        self.third = _Role(self, 2) if third_query is not None else None
-        self._later_calls = 1 + (third_query is not None)
         self._first_call = None  # (sources, source_grads, eps, norm_out) of the first call's forward
-        self._count = None  # the shared count of the later calls that pair
-        self._seen = 0  # later calls seen since the first call's forward
-        self._deferred: dict[int, _Deferred] = {}  # role index -> that call's deferred work
+        self._deferred: _Deferred | None = None
 
     # -- forward ---------------------------------------------------------------------------
     def record_first(self, sources: Sequence[torch.Tensor], source_grads, eps: float, norm_out: bool) -> None:
         self._first_call = (tuple(sources), tuple(source_grads) if source_grads else None, eps, norm_out)
-        self._count, self._seen = None, 0
 
     def shared_count(self, sources: Sequence[torch.Tensor], source_grads, eps: float, norm_out: bool) -> int:
-        """Leading sources a later call shares with the recorded first call (same tensors, the same
-        ``SourceGrad`` on both); at most ``len(sources) - 1``; 0 if it differs from the count of an
-        earlier later call that pairs. Forgets the first call after the last later call."""
-        first = self._first_call
-        self._seen += 1
-        if self._seen >= self._later_calls:
-            self._first_call = None
+        """Leading sources the second call shares with the recorded first call (same tensors, the
+        same ``SourceGrad`` on both); at most ``len(sources) - 1``. Forgets the first call."""
+        first, self._first_call = self._first_call, None
         if first is None or source_grads is None or first[1] is None or first[2:] != (eps, norm_out):
             return 0
         count = 0
@@ -109,27 +88,22 @@ class DepthPair:
             if a is not b or ga is None or ga is not gb or count == len(sources) - 1:
                 break
             count += 1
-        if count:
-            if self._count is not None and self._count != count:
-                return 0
-            self._count = count
         return count
 
     # -- backward --------------------------------------------------------------------------
-    def defer(self, index: int, call, g: torch.Tensor, needs: tuple[bool, bool],
-              source_grads: Sequence[SourceGrad]) -> None:
-        """The later call ``index`` (1: second, 2: third) leaves its shared sources to the first call."""
-        self._deferred[index] = _Deferred(call, g, needs, tuple(source_grads))
+    def defer(self, call, g: torch.Tensor, needs: tuple[bool, bool], source_grads: Sequence[SourceGrad]) -> None:
+        self._deferred = _Deferred(call, g, needs, tuple(source_grads))
         for source_grad in source_grads:
             source_grad.pending = self
 
-    def take(self) -> dict[int, _Deferred]:
-        """The later calls' deferred work from this backward pass, by role index (in index order)."""
-        deferred, self._deferred = self._deferred, {}
-        for entry in deferred.values():
-            for source_grad in entry.source_grads:
-                source_grad.pending = None
-        return {index: entry for index, entry in sorted(deferred.items()) if entry.task == _graph_task()}
+    def take(self) -> _Deferred | None:
+        """The second call's deferred work from this backward pass, or ``None``."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return None
+        for source_grad in deferred.source_grads:
+            source_grad.pending = None
+        return deferred if deferred.task == _graph_task() else None
 
     def pending_in_this_pass(self) -> bool:
-        return any(entry.task == _graph_task() for entry in self._deferred.values())
+        return self._deferred is not None and self._deferred.task == _graph_task()

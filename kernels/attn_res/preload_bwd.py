@@ -5,17 +5,17 @@ The preload kernel issues the loads of a token tile (all n sources, the output a
 any store, with the sources held as loaded in tuples, so a program keeps far more bytes in flight than the
 streaming kernel in ``fused.py`` (which loads one source ahead). With ``RELOAD`` (the default,
 ``fused.BACKWARD_RELOAD``) the grad loop reads each source again (an L2 hit) and its old grad next to its
-store, which leaves registers for one row over 4 warps, two programs per SM. It can also serve one or two partner calls
-(``backward.PairedCall``: the MLP sublayer's mix over the same blocks as the attention sublayer's, and for the
-last layer the final mix), writing every call's gradient of each shared block in one store. The maths per source is the
+store, which leaves registers for one row over 4 warps, two programs per SM. It can also serve a paired second call
+(``backward.PairedCall``: the MLP sublayer's mix over the same blocks as the attention sublayer's), writing
+both calls' source gradients in one read-modify-write of each shared block. The maths per source is the
 streaming kernel's (module docstring of ``fused.py``).
 """
 
 import triton
 import triton.language as tl
 
-from kernels.attn_res.reductions import row_sums3, row_sums5, row_sums7
-from kernels.attn_res.rows import _load_rows, _prefetch_rows_l2, _rows_f32, _tile_offsets
+from kernels.attn_res.reductions import row_sums3, row_sums5
+from kernels.attn_res.rows import _load_rows, _rows_f32, _tile_offsets
 
 
 @triton.jit
@@ -35,58 +35,32 @@ def _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT: tl
 
 
 @triton.jit
-def _partner_rows(grad_out2_ptrs, out2_ptrs, tile_at, H, BLOCK_H: tl.constexpr, PARTNERS: tl.constexpr,
-                  PACK: tl.constexpr):
-    """The partner calls' ``dy`` and ``out`` rows of a tile, as loaded: two tuples of PARTNERS."""
-    dy2_raws, out2_raws = (), ()
-    for k in tl.static_range(PARTNERS):
-        dy2_raws = dy2_raws + (_load_rows(grad_out2_ptrs[k], tile_at, H, BLOCK_H, PACK),)
-        out2_raws = out2_raws + (_load_rows(out2_ptrs[k], tile_at, H, BLOCK_H, PACK),)
-    return dy2_raws, out2_raws
-
-
-@triton.jit
-def _tile_rows(src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptrs, out2_ptrs, tile_at, H, N: tl.constexpr,
-               BLOCK_H: tl.constexpr, PARTNERS: tl.constexpr, PACK: tl.constexpr):
-    """A tile's ``dy``, ``out``, the partner calls' (tuples) and the n sources, as loaded
-    (``rows._load_rows``), in that order."""
+def _tile_rows(src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptr, out2_ptr, tile_at, H, N: tl.constexpr,
+               BLOCK_H: tl.constexpr, PAIRED: tl.constexpr, PACK: tl.constexpr):
+    """A tile's ``dy``, ``out`` (and the paired call's; else the first call's again, never read) and the n
+    sources, as loaded (``rows._load_rows``), in that order."""
     dy_raw = _load_rows(grad_out_ptr, tile_at, H, BLOCK_H, PACK)
     out_raw = _load_rows(out_ptr, tile_at, H, BLOCK_H, PACK)
-    dy2_raws, out2_raws = _partner_rows(grad_out2_ptrs, out2_ptrs, tile_at, H, BLOCK_H, PARTNERS, PACK)
+    dy2_raw, out2_raw = dy_raw, out_raw
+    if PAIRED > 0:
+        dy2_raw = _load_rows(grad_out2_ptr, tile_at, H, BLOCK_H, PACK)
+        out2_raw = _load_rows(out2_ptr, tile_at, H, BLOCK_H, PACK)
     vs = ()
     for i in tl.static_range(N):
         vs = vs + (_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK),)
-    return dy_raw, out_raw, dy2_raws, out2_raws, vs
-
-
-@triton.jit
-def _prefetch_tile_l2(src_ptrs, grad_ptrs, grad_out_ptr, out_ptr, grad_out2_ptrs, out2_ptrs, tile, T, H,
-                      N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, PARTNERS: tl.constexpr):
-    """L2 prefetches of everything a tile reads from HBM: ``dy``, ``out``, the partners', the sources and the
-    grads being added to (``rows._prefetch_rows_l2``)."""
-    _prefetch_rows_l2(grad_out_ptr, tile, T, H, BLOCK_T)
-    _prefetch_rows_l2(out_ptr, tile, T, H, BLOCK_T)
-    for k in tl.static_range(PARTNERS):
-        _prefetch_rows_l2(grad_out2_ptrs[k], tile, T, H, BLOCK_T)
-        _prefetch_rows_l2(out2_ptrs[k], tile, T, H, BLOCK_T)
-    for i in tl.static_range(N):
-        _prefetch_rows_l2(src_ptrs[i], tile, T, H, BLOCK_T)
-        if (ACCUMULATE >> i) & 1:
-            _prefetch_rows_l2(grad_ptrs[i], tile, T, H, BLOCK_T)
+    return dy_raw, out_raw, dy2_raw, out2_raw, vs
 
 
 @triton.jit
 def _depth_attention_bwd_preload_kernel(
     src_ptrs, grad_ptrs, query_ptr, norm_weight_ptr, out_ptr, grad_out_ptr, lse_ptr, partial_g_ptr,
     out_norm_weight_ptr, out_rstd_ptr, partial_g_out_norm_ptr,
-    query2_ptrs, norm_weight2_ptrs, out2_ptrs, grad_out2_ptrs, lse2_ptrs, out_norm_weight2_ptrs, out_rstd2_ptrs,
-    partial_g2_ptrs,
-    T, H, eps, out_norm_eps, out_norm_eps2s,
+    query2_ptr, norm_weight2_ptr, out2_ptr, grad_out2_ptr, lse2_ptr, out_norm_weight2_ptr, out_rstd2_ptr,
+    partial_g2_ptr,
+    T, H, eps, out_norm_eps, out_norm_eps2,
     N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, PARTNERS: tl.constexpr,
-    OUT_NORM_GRAD: tl.constexpr,
+    NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, OUT_NORM_GRAD: tl.constexpr,
     RELOAD: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, PACK: tl.constexpr,
-    L2_PREFETCH: tl.constexpr,
 ):
     """The backward with the loads of a token tile issued before any store (``dy``, ``out``, the
     n sources, and without ``RELOAD`` the old grads being added to), kept in registers as loaded
@@ -95,12 +69,13 @@ def _depth_attention_bwd_preload_kernel(
 
     ``SUBSET``: the sources are some of the call's (``lse`` covers all of them), so one source
     does not mean a constant softmax. ``PAIRED`` > 0: the first PAIRED sources also get the
-    gradients of PARTNERS (1 or 2) other calls that read them (same key-norm eps; their ``dy``, ``out``,
-    ``lse``, query, norm weight, output-norm weight, rstd and ``partial_g`` as tuples under the ``*2s``
-    names): each shared source is read, and its grad written, once for all the calls; partner k's ``g``
-    over those sources goes to ``partial_g2s[k]``. ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call.
+    gradient of a second call that read them (same key-norm eps; its ``dy``, ``out``, ``lse``,
+    query, norm weight, output-norm weight and rstd under the ``*2`` names): each shared source
+    is read, and its grad written, once for both calls; the second call's ``g`` over those
+    sources goes to ``partial_g2``. ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call.
     Without ``SUBSET`` the kernel sees all of the call's sources and takes the softmax backward's
-    ``c`` from them; with it (and for the partner calls, whose sources are split over two kernels) ``c`` comes from the stored, rounded output, as in the streaming kernel. ``RELOAD``: the
+    ``c`` from them; with it (and for the second call of a pair, whose sources are split over two
+    kernels) ``c`` comes from the stored, rounded output, as in the streaming kernel. ``RELOAD``: the
     grad loop reloads each source (just read by this program: an L2 hit) and loads its old grad there,
     instead of holding both from the top (fewer registers, so more programs per SM).
 
@@ -113,8 +88,7 @@ def _depth_attention_bwd_preload_kernel(
     source i's store (one L2 round trip per source less on the grad pass's critical path). ``STAGES``: the tile
     loop as ``tl.range(num_stages=STAGES)`` (Triton's software pipelining: the tile's loads become async copies
     into shared memory; None: off).
-    ``PACK``: rows held across code (``dy``, ``out``, sources, old grads) as int32 pairs (``_load_rows``).
-    ``L2_PREFETCH``: before a tile's loads, the next tile's rows (all it reads from HBM) are prefetched into L2 (``_prefetch_tile_l2``: no registers), so each tile's loads wait for L2, not HBM."""
+    ``PACK``: rows held across code (``dy``, ``out``, sources, old grads) as int32 pairs (``_load_rows``)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -122,24 +96,20 @@ def _depth_attention_bwd_preload_kernel(
     g_acc = tl.zeros([BLOCK_H], tl.float32)
     if NORM_OUT and OUT_NORM_GRAD:
         g_out_norm_acc = tl.zeros([BLOCK_H], tl.float32)
-    g2_accs = ()  # each partner's g
-    for k in tl.static_range(PARTNERS):
-        g2_accs = g2_accs + (tl.zeros([BLOCK_H], tl.float32),)
+    if PAIRED > 0:
+        g2_acc = tl.zeros([BLOCK_H], tl.float32)
 
     if PIPELINE & 2:  # the first tile's rows; each later tile's are loaded during the tile before it
-        dy_raw, out_raw, dy2_raws, out2_raws, vs = _tile_rows(
-            src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptrs, out2_ptrs, _tile_offsets(pid, T, H, cols, col_mask, BLOCK_T),
-            H, N, BLOCK_H, PARTNERS, PACK)
+        dy_raw, out_raw, dy2_raw, out2_raw, vs = _tile_rows(
+            src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptr, out2_ptr, _tile_offsets(pid, T, H, cols, col_mask, BLOCK_T),
+            H, N, BLOCK_H, PAIRED, PACK)
 
     for tile in tl.range(pid, tl.cdiv(T, BLOCK_T), num_programs, num_stages=STAGES):
         tile_at = _tile_offsets(tile, T, H, cols, col_mask, BLOCK_T)
         rows, row_mask, mask, offs = tile_at
-        if L2_PREFETCH:  # the next tile's rows, issued while no rows are held (the address math takes registers)
-            _prefetch_tile_l2(src_ptrs, grad_ptrs, grad_out_ptr, out_ptr, grad_out2_ptrs, out2_ptrs, tile + num_programs,
-                              T, H, N, ACCUMULATE, BLOCK_T, PARTNERS)
         if not PIPELINE & 2:  # -- every load of the tile first ------------------------------------------
-            dy_raw, out_raw, dy2_raws, out2_raws, vs = _tile_rows(
-                src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptrs, out2_ptrs, tile_at, H, N, BLOCK_H, PARTNERS, PACK)
+            dy_raw, out_raw, dy2_raw, out2_raw, vs = _tile_rows(
+                src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptr, out2_ptr, tile_at, H, N, BLOCK_H, PAIRED, PACK)
         olds = ()  # the old grads being added to (placeholders where not accumulated; never read)
         if not PIPELINE & 1:
             for i in tl.static_range(N):
@@ -162,43 +132,33 @@ def _depth_attention_bwd_preload_kernel(
             out_rstd = lse
             gamma_out = u
         dout, c = _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT)
-        lse2s, u2s, dout2s, c2s = (), (), (), ()  # per partner call
-        for k in tl.static_range(PARTNERS):
-            lse2 = tl.load(lse2_ptrs[k] + rows, mask=row_mask, other=0.0)
-            u2 = tl.load(query2_ptrs[k] + cols, mask=col_mask, other=0.0).to(tl.float32)
-            u2 = u2 * tl.load(norm_weight2_ptrs[k] + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if PAIRED > 0:
+            lse2 = tl.load(lse2_ptr + rows, mask=row_mask, other=0.0)
+            u2 = tl.load(query2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+            u2 = u2 * tl.load(norm_weight2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             if NORM_OUT:
-                out_rstd2 = tl.load(out_rstd2_ptrs[k] + rows, mask=row_mask, other=0.0)
-                gamma_out2 = tl.load(out_norm_weight2_ptrs[k] + cols, mask=col_mask, other=0.0).to(tl.float32)
+                out_rstd2 = tl.load(out_rstd2_ptr + rows, mask=row_mask, other=0.0)
+                gamma_out2 = tl.load(out_norm_weight2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             else:
                 out_rstd2 = lse2
                 gamma_out2 = u2
-            dout2, c2 = _mix_output_grad(_rows_f32(dy2_raws[k], grad_out2_ptrs[k], BLOCK_H, PACK),
-                                         _rows_f32(out2_raws[k], out2_ptrs[k], BLOCK_H, PACK), out_rstd2, gamma_out2,
-                                         H, out_norm_eps2s[k], NORM_OUT)
-            lse2s, u2s, dout2s, c2s = lse2s + (lse2,), u2s + (u2,), dout2s + (dout2,), c2s + (c2,)
+            dout2, c2 = _mix_output_grad(_rows_f32(dy2_raw, grad_out2_ptr, BLOCK_H, PACK),
+                                         _rows_f32(out2_raw, out2_ptr, BLOCK_H, PACK), out_rstd2, gamma_out2, H,
+                                         out_norm_eps2, NORM_OUT)
         # -- per source: the row reductions first (all sources are in registers) -------------------
-        # per-row scalars kept per source: rstd, logit, dout . v (and each partner's logit, dout . v: [i * PARTNERS + k])
+        # per-row scalars kept per source: rstd, logit, dout . v (and the paired call's logit, dout . v)
         rstds, logits, das, logits2, das2 = (), (), (), (), ()
         c_exact = tl.zeros([BLOCK_T], tl.float32)
         for i in tl.static_range(N):
             v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
-            if i < PAIRED and PARTNERS == 2:
-                square_sum, vu, da, vu2, da2, vu3, da3 = row_sums7(
-                    v * v, v * u[None, :], v * dout, v * u2s[0][None, :], v * dout2s[0], v * u2s[1][None, :],
-                    v * dout2s[1])
-                partner_sums = ((vu2, da2), (vu3, da3))
-            elif i < PAIRED:
-                square_sum, vu, da, vu2, da2 = row_sums5(v * v, v * u[None, :], v * dout, v * u2s[0][None, :],
-                                                         v * dout2s[0])
-                partner_sums = ((vu2, da2),)
+            if i < PAIRED:
+                square_sum, vu, da, vu2, da2 = row_sums5(v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2)
             else:
                 square_sum, vu, da = row_sums3(v * v, v * u[None, :], v * dout)
             rstd = tl.rsqrt(square_sum / H + eps)
             rstds, logits, das = rstds + (rstd,), logits + (vu * rstd,), das + (da,)
             if i < PAIRED:
-                for k in tl.static_range(PARTNERS):
-                    logits2, das2 = logits2 + (partner_sums[k][0] * rstd,), das2 + (partner_sums[k][1],)
+                logits2, das2 = logits2 + (vu2 * rstd,), das2 + (da2,)
             if not SUBSET:
                 c_exact += tl.exp(vu * rstd - lse) * da
             if PIPELINE & 1:
@@ -235,23 +195,13 @@ def _depth_attention_bwd_preload_kernel(
                 coef = tl.zeros([BLOCK_T], tl.float32)
             g_acc += tl.sum(coef[:, None] * v, axis=0)
             if i < PAIRED:
-                scale = coef * logit
-                a2s, coef2s, new_accs = (), (), ()
-                for k in tl.static_range(PARTNERS):
-                    logit2 = logits2[i * PARTNERS + k]
-                    a2 = tl.exp(logit2 - lse2s[k])
-                    coef2 = a2 * (das2[i * PARTNERS + k] - c2s[k]) * rstd
-                    new_accs = new_accs + (g2_accs[k] + tl.sum(coef2[:, None] * v, axis=0),)
-                    scale += coef2 * logit2
-                    a2s, coef2s = a2s + (a2,), coef2s + (coef2,)
-                g2_accs = new_accs
-                dv = a[:, None] * dout
-                for k in tl.static_range(PARTNERS):
-                    dv += a2s[k][:, None] * dout2s[k]
-                dv += coef[:, None] * u[None, :]
-                for k in tl.static_range(PARTNERS):
-                    dv += coef2s[k][:, None] * u2s[k][None, :]
-                dv -= (scale * rstd / H)[:, None] * v
+                logit2 = logits2[i]
+                a2 = tl.exp(logit2 - lse2)
+                coef2 = a2 * (das2[i] - c2) * rstd
+                g2_acc += tl.sum(coef2[:, None] * v, axis=0)
+                scale_v = (coef * logit + coef2 * logit2) * rstd / H
+                dv = (a[:, None] * dout + a2[:, None] * dout2 + coef[:, None] * u[None, :]
+                      + coef2[:, None] * u2[None, :] - scale_v[:, None] * v)
             else:
                 dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
             if (ACCUMULATE >> i) & 1:
@@ -265,16 +215,17 @@ def _depth_attention_bwd_preload_kernel(
                 if i == 0:
                     dy_raw = _load_rows(grad_out_ptr, following, H, BLOCK_H, PACK)
                     out_raw = _load_rows(out_ptr, following, H, BLOCK_H, PACK)
-                    dy2_raws, out2_raws = _partner_rows(grad_out2_ptrs, out2_ptrs, following, H, BLOCK_H, PARTNERS,
-                                                        PACK)
+                    if PAIRED > 0:
+                        dy2_raw = _load_rows(grad_out2_ptr, following, H, BLOCK_H, PACK)
+                        out2_raw = _load_rows(out2_ptr, following, H, BLOCK_H, PACK)
         if PIPELINE & 2:
             vs = next_vs
 
     tl.store(partial_g_ptr + pid.to(tl.int64) * H + cols, g_acc, mask=col_mask)
     if NORM_OUT and OUT_NORM_GRAD:
         tl.store(partial_g_out_norm_ptr + pid.to(tl.int64) * H + cols, g_out_norm_acc, mask=col_mask)
-    for k in tl.static_range(PARTNERS):
-        tl.store(partial_g2_ptrs[k] + pid.to(tl.int64) * H + cols, g2_accs[k], mask=col_mask)
+    if PAIRED > 0:
+        tl.store(partial_g2_ptr + pid.to(tl.int64) * H + cols, g2_acc, mask=col_mask)
 
 
 @triton.jit

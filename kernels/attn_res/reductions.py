@@ -28,11 +28,6 @@ def _add_five(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
 
 
 @triton.jit
-def _add_seven(a0, b0, c0, d0, e0, f0, g0, a1, b1, c1, d1, e1, f1, g1):
-    return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1, f0 + f1, g0 + g1
-
-
-@triton.jit
 def row_sums2(a, b):
     if _INTERPRETED:
         sa, sb = tl.sum(a, 1), tl.sum(b, 1)
@@ -57,12 +52,3 @@ def row_sums5(a, b, c, d, e):
     else:
         sa, sb, sc, sd, se = tl.reduce((a, b, c, d, e), 1, _add_five)
     return sa, sb, sc, sd, se
-
-
-@triton.jit
-def row_sums7(a, b, c, d, e, f, g):
-    if _INTERPRETED:
-        sums = tl.sum(a, 1), tl.sum(b, 1), tl.sum(c, 1), tl.sum(d, 1), tl.sum(e, 1), tl.sum(f, 1), tl.sum(g, 1)
-    else:
-        sums = tl.reduce((a, b, c, d, e, f, g), 1, _add_seven)
-    return sums

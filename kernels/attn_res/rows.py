@@ -1,6 +1,6 @@
 """Token-tile row helpers shared by the depth-attention kernels (``fused.py``'s forward, ``preload_bwd.py``'s
 backward): a tile's offsets, its rows loaded as they are or, for 2-byte dtypes, as int32 pairs (``PACK``), and
-the loaded rows as fp32, and an L2 prefetch of a tile's rows.
+the loaded rows as fp32.
 
 Why pairs: ptxas kept loop-carried and long-lived bf16 values one per 32-bit register (each 16-bit value its own
 register) and spilled them in the preload backward; an int32 pair is one register for two values, unpacked (bf16
@@ -50,18 +50,3 @@ def _rows_f32(x, ptr, BLOCK_H: tl.constexpr, PACK: tl.constexpr):
         return tl.reshape(tl.join(low, high), [x.shape[0], BLOCK_H])
     else:
         return x.to(tl.float32)
-
-
-@triton.jit
-def _prefetch_rows_l2(ptr, tile, T, H, BLOCK_T: tl.constexpr):
-    """Asks L2 for token tile ``tile``'s rows of the ``[T, H]`` tensor at ``ptr`` (nothing past T): one bulk
-    prefetch (``cp.async.bulk.prefetch.L2``, sm_90) issued by the program's first thread, no registers held, so a
-    later load of those rows waits for L2 instead of HBM. Needs ``ptr`` 16-byte aligned and ``H`` times the
-    element size a multiple of 16 (``fused._bulk_prefetchable``); compiled GPUs only (no interpreter)."""
-    first = tile * BLOCK_T
-    if first < T:
-        nbytes = tl.minimum(T - first, BLOCK_T) * H * (ptr.dtype.element_ty.primitive_bitwidth // 8)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptr + first.to(tl.int64) * H, nbytes], dtype=tl.int32, is_pure=False, pack=1)

@@ -55,38 +55,28 @@ def test_kernels_compile_for_hopper_without_a_gpu(norm_out):
                     assert cfg.num_warps == 16 and used.registers <= 96, (cfg, used)
 
 
-def _preload_signature(n: int, partners: int = 0) -> dict:
-    """The preload backward's argument types for n sources and ``partners`` partner calls (the partner tuples
-    hold one placeholder when there are none, as the launcher passes them; partner outputs fp32, as saved)."""
-    k = max(1, partners)
-    return {
-        "src_ptrs": ("*bf16",) * n, "grad_ptrs": ("*bf16",) * n,
-        "query_ptr": "*fp32", "norm_weight_ptr": "*fp32", "out_ptr": "*bf16", "grad_out_ptr": "*bf16",
-        "lse_ptr": "*fp32", "partial_g_ptr": "*fp32", "out_norm_weight_ptr": "*fp32", "out_rstd_ptr": "*fp32",
-        "partial_g_out_norm_ptr": "*fp32", "query2_ptrs": ("*fp32",) * k, "norm_weight2_ptrs": ("*fp32",) * k,
-        "out2_ptrs": ("*fp32" if partners else "*bf16",) * k, "grad_out2_ptrs": ("*bf16",) * k,
-        "lse2_ptrs": ("*fp32",) * k, "out_norm_weight2_ptrs": ("*fp32",) * k, "out_rstd2_ptrs": ("*fp32",) * k,
-        "partial_g2_ptrs": ("*fp32",) * k, "T": "i32", "H": "i32", "eps": "fp32", "out_norm_eps": "fp32",
-        "out_norm_eps2s": ("fp32",) * k,
-    }
-
-
+_PRELOAD_SIGNATURE = {
+    "query_ptr": "*fp32", "norm_weight_ptr": "*fp32", "out_ptr": "*bf16", "grad_out_ptr": "*bf16", "lse_ptr": "*fp32",
+    "partial_g_ptr": "*fp32", "out_norm_weight_ptr": "*fp32", "out_rstd_ptr": "*fp32",
+    "partial_g_out_norm_ptr": "*fp32", "query2_ptr": "*fp32", "norm_weight2_ptr": "*fp32", "out2_ptr": "*bf16",
+    "grad_out2_ptr": "*bf16", "lse2_ptr": "*fp32", "out_norm_weight2_ptr": "*fp32", "out_rstd2_ptr": "*fp32",
+    "partial_g2_ptr": "*fp32", "T": "i32", "H": "i32", "eps": "fp32", "out_norm_eps": "fp32", "out_norm_eps2": "fp32",
+}
 # Pointers 16-byte aligned and H a multiple of 16, as the launcher specialises them at h = 2048
 # (without it the loads are scalar and each element's 64-bit address takes registers).
-_ALIGNED = ("src_ptrs", "grad_ptrs", "out_ptr", "grad_out_ptr", "out2_ptrs", "grad_out2_ptrs", "query_ptr",
-            "norm_weight_ptr", "query2_ptrs", "norm_weight2_ptrs", "out_norm_weight_ptr", "out_norm_weight2_ptrs",
-            "partial_g_ptr", "partial_g2_ptrs", "partial_g_out_norm_ptr", "H")
+_ALIGNED = ("src_ptrs", "grad_ptrs", "out_ptr", "grad_out_ptr", "out2_ptr", "grad_out2_ptr", "query_ptr",
+            "norm_weight_ptr", "query2_ptr", "norm_weight2_ptr", "out_norm_weight_ptr", "out_norm_weight2_ptr",
+            "partial_g_ptr", "partial_g2_ptr", "partial_g_out_norm_ptr", "H")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
 @pytest.mark.parametrize("norm_out", [False, True], ids=["mix", "mix+rmsnorm"])
-@pytest.mark.parametrize("n, paired, partners, subset", [
-    (9, 0, 0, False), (8, 8, 1, False), (8, 8, 2, False), (1, 0, 0, True), (2, 1, 1, False), (3, 0, 0, False)])
-def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paired, partners, subset):
+@pytest.mark.parametrize("n, paired, subset", [(9, 0, False), (8, 8, False), (1, 0, True), (2, 1, False), (3, 0, False)])
+def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paired, subset):
     # The shipped layout of the preload backward (fused.BACKWARD_PRELOAD_VALUES_PER_THREAD, BACKWARD_RELOAD) at
     # h = 2048: the benchmark's widest call (n = 9, every source accumulated), the widest pair (the MLP mixer of
-    # layer 7 deferring 8 shared blocks to the attention mixer; with the final mix deferring them too, two partners
-    # and nothing accumulated), the second call's own-source pass (subset) and small calls. One row over 4 warps, two programs per SM (<= 255 registers), as measured fastest
+    # layer 7 deferring 8 shared blocks to the attention mixer), the second call's own-source pass (subset) and
+    # small calls. One row over 4 warps, two programs per SM (<= 255 registers), as measured fastest
     # (docs/bench/attnres-sweep-h200.json). Spills: at most 64 bytes (n = 9 with the norm spills ~44 to L1
     # with Triton 3.8; without RELOAD it was ~840), 192 for the widest pair (164 with PIPELINE 1 and PACK, which
     # still took the step's backward kernels 3.32 -> 2.91 ms in the H200 model profile, docs/attn_res.md); more
@@ -95,18 +85,15 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     from kernels._compile_check import compile_for, resources
 
     cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
-    signature = _preload_signature(n, partners)
-    accumulate = (1 << n) - 1 if not subset and partners < 2 else 0  # a triple's blocks get their first grads
-    constexprs = {"N": n, "ACCUMULATE": accumulate, "BLOCK_T": cfg.block_t,
+    signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * n, "grad_ptrs": ("*bf16",) * n}
+    constexprs = {"N": n, "ACCUMULATE": (1 << n) - 1 if not subset else 0, "BLOCK_T": cfg.block_t,
                   "BLOCK_H": cfg.block_h, "NORM_OUT": norm_out, "SUBSET": subset, "PAIRED": paired,
-                  "PARTNERS": partners,
                   "OUT_NORM_GRAD": norm_out, "RELOAD": fused.BACKWARD_RELOAD, "PIPELINE": fused.BACKWARD_PIPELINE,
-                  "STAGES": fused.BACKWARD_TILE_STAGES, "PACK": fused.BACKWARD_PACK_ROWS,
-                  "L2_PREFETCH": fused.BACKWARD_L2_PREFETCH}
+                  "STAGES": fused.BACKWARD_TILE_STAGES, "PACK": fused.BACKWARD_PACK_ROWS}
     compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
                            aligned=_ALIGNED)
     used = resources(compiled)
-    max_spill = (420 if partners == 2 else 192) if paired >= 8 else 64
+    max_spill = 192 if paired >= 8 else 64
     assert used.spill_stores <= max_spill and used.spill_loads <= max_spill, (n, paired, used)
     assert cfg.num_warps == 4 and used.registers <= 255, (cfg, used)
 
@@ -127,32 +114,29 @@ def test_finish_kernel_compiles(parameter_grads):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
-@pytest.mark.parametrize("values_per_thread, pipeline, stages, pack, l2_prefetch, max_spill", [
-    (16, 1, None, True, False, 64),  # old grads loaded after their source's reductions: ~44 bytes spilled
-    (16, 5, None, True, False, 96),  # + sources reloaded one ahead: ~68
-    (8, 3, None, True, False, 0),  # old grads early + the next tile's rows: 8 warps, ~178 registers, one program per SM
-    (8, 0, 2, False, False, 0),  # Triton's pipelining: cp.async into ~139 KB of shared memory
-    (16, 1, None, True, True, 64),  # the default + the next tile's rows prefetched into L2 (no registers)
-], ids=["pipe1-pack", "pipe5-pack", "pipe3-8vpt-pack", "stages2-8vpt", "pipe1-pack-l2"])
-def test_preload_backward_variants_compile(values_per_thread, pipeline, stages, pack, l2_prefetch, max_spill):
+@pytest.mark.parametrize("values_per_thread, pipeline, stages, pack, max_spill", [
+    (16, 1, None, True, 64),  # old grads loaded after their source's reductions: ~44 bytes spilled
+    (16, 5, None, True, 96),  # + sources reloaded one ahead: ~68
+    (8, 3, None, True, 0),  # old grads early + the next tile's rows: 8 warps, ~178 registers, one program per SM
+    (8, 0, 2, False, 0),  # Triton's pipelining: cp.async into ~139 KB of shared memory
+], ids=["pipe1-pack", "pipe5-pack", "pipe3-8vpt-pack", "stages2-8vpt"])
+def test_preload_backward_variants_compile(values_per_thread, pipeline, stages, pack, max_spill):
     # The opt-in variants of tools/sweep_attnres_kernels.py (fused.BACKWARD_PIPELINE, BACKWARD_TILE_STAGES,
     # BACKWARD_PACK_ROWS) at the benchmark's widest call (n = 9, h = 2048, the norm, every source accumulated).
     import kernels.attn_res.fused as fused
     from kernels._compile_check import compile_for, resources
 
     cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, values_per_thread)
-    signature = _preload_signature(9)
+    signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * 9, "grad_ptrs": ("*bf16",) * 9}
     constexprs = {"N": 9, "ACCUMULATE": (1 << 9) - 1, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h, "NORM_OUT": True,
-                  "SUBSET": False, "PAIRED": 0, "PARTNERS": 0, "OUT_NORM_GRAD": True, "RELOAD": True, "PIPELINE": pipeline,
-                  "STAGES": stages, "PACK": pack, "L2_PREFETCH": l2_prefetch}
+                  "SUBSET": False, "PAIRED": 0, "OUT_NORM_GRAD": True, "RELOAD": True, "PIPELINE": pipeline,
+                  "STAGES": stages, "PACK": pack}
     compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
                            aligned=_ALIGNED)
     used = resources(compiled)
     assert used.spill_stores <= max_spill and used.spill_loads <= max_spill, used
     if stages:  # the tile's loads became asynchronous copies; one program's buffers fit an SM's 227 KB
         assert "cp.async" in compiled.asm["ptx"] and used.shared <= 227 * 1024, used
-    # one bulk prefetch per row read from HBM: dy, out, 9 sources, 9 old grads
-    assert compiled.asm["ptx"].count("cp.async.bulk.prefetch.L2") == (20 if l2_prefetch else 0)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")

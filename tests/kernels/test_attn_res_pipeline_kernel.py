@@ -136,9 +136,9 @@ def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32):
                                    accumulate=[False], out_norm_weight=gamma_o2, out_rstd=rstd2, subset=True,
                                    **norm_kwargs)
     grads, sums = _backward(fused, changes, sources, query, gamma, EPS, out, lse, dy, olds=olds,
-                            accumulate=[True] * shared, out_norm_weight=gamma_o, out_rstd=rstd, paired=(pair,),
+                            accumulate=[True] * shared, out_norm_weight=gamma_o, out_rstd=rstd, paired=pair,
                             **norm_kwargs)
-    result = (grads + own_grad, sums.g, sums.g_out_norm, sums.g2[0] + own_sums.g, own_sums.g_out_norm)
+    result = (grads + own_grad, sums.g, sums.g_out_norm, sums.g2 + own_sums.g, own_sums.g_out_norm)
     return result, (sources, query, gamma, gamma_o, dy), (sources2, query2, gamma2, gamma_o2, dy2), olds
 
 
@@ -198,10 +198,13 @@ def test_packed_rows_equal_default_in_16_bit(variant, dtype):
 
 def test_rows_packed_only_where_even_and_aligned():
     import kernels.attn_res.fused as fused
+    from kernels.attn_res import backward
 
     rows = torch.zeros(3, 16, dtype=torch.bfloat16)
     assert fused._packable(16, [rows], rows.float(), None)
     assert not fused._packable(15, [rows])  # odd h
     assert not fused._packable(16, [rows], torch.zeros(49, dtype=torch.bfloat16)[1:].view(3, 16))  # 2-byte aligned
     assert fused._packable(16, torch.zeros(49)[1:].view(3, 16))  # fp32: not packed, any alignment
-    assert not fused._packable(16, [rows], (torch.zeros(33, dtype=torch.float16)[1:].view(2, 16), rows))
+    pair = backward.PairedCall(1, None, None, torch.zeros(33, dtype=torch.float16)[1:].view(2, 16), rows, None, None,
+                               None, 0.0)
+    assert not fused._packable(16, [rows], pair)
