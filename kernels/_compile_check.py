@@ -19,11 +19,13 @@ class Resources:
     shared: int  # bytes of shared memory Triton asked for
 
 
-def compile_for(kernel, signature: dict, constexprs: dict, num_warps=4, num_stages=3, capability=90, aligned=()):
+def compile_for(kernel, signature: dict, constexprs: dict, num_warps=4, num_stages=3, capability=90, aligned=(),
+                maxnreg=None):
     """triton.compile for CUDA `capability` (default sm_90). signature: arg name -> type (e.g. "*bf16", "i32");
     constexpr args go in `constexprs` and need not be in `signature`. `aligned`: argument names to specialize
     as the launcher does for a pointer aligned to 16 bytes or an integer that is a multiple of 16
-    (tt.divisibility 16), so that loads vectorize as they will at such shapes."""
+    (tt.divisibility 16), so that loads vectorize as they will at such shapes. `maxnreg`: a register cap, as the
+    launch option of that name."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -37,7 +39,8 @@ def compile_for(kernel, signature: dict, constexprs: dict, num_warps=4, num_stag
         attrs.update({key: [["tt.divisibility", 16]] for key in members})
     source = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", capability, 32)
-    return triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(source, target=target, options=options)
 
 
 def _ptxas():

@@ -100,6 +100,9 @@ CONFIGS = [
     ("bwd-stages2", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2}),  # 255, 140 | 255, 336; 3.35
     ("bwd-stages2-8vpt", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2,
                           "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 155 | 199, 0; 3.83
+    # a pair's second call's own pass (one source, with the handoff) capped: 166 registers, no spills | 128, 32 bytes
+    ("bwd-subset-168", {"BACKWARD_SUBSET_MAXNREG": 168}),
+    ("bwd-subset-128", {"BACKWARD_SUBSET_MAXNREG": 128}),
 ]
 KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",
            "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}

@@ -18,20 +18,18 @@ _PROMOTE_TO_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class PairedCall:
     """A second depth-attention call whose first ``count`` sources are the first ``count``
-    sources of the call being differentiated (same tensors, same key-norm ``eps``, both with or
-    both without the fused output norm): its backward inputs. The paired backward adds its
-    gradient for those sources in the same pass (``_depth_attention_bwd_preload_kernel``,
-    ``PAIRED``)."""
+    sources of the call being differentiated (same tensors, same key-norm ``eps``): its backward
+    inputs, as its own pass (``subset`` with ``handoff``) left them: ``grad_mix`` (the gradient of
+    its mix output, after its output norm's backward, in the sources' dtype) and ``c`` (fp32 ``[T]``,
+    the softmax backward's sum for that ``grad_mix``). The paired backward adds its gradient for
+    those sources in the same pass (``_depth_attention_bwd_preload_kernel``, ``PAIRED``)."""
 
     count: int
     query: torch.Tensor
     norm_weight: torch.Tensor
-    out: torch.Tensor
-    grad_out: torch.Tensor
     lse: torch.Tensor
-    out_norm_weight: torch.Tensor | None
-    out_rstd: torch.Tensor | None
-    out_norm_eps: float
+    grad_mix: torch.Tensor
+    c: torch.Tensor
 
 
 @dataclass
@@ -65,6 +63,7 @@ def fused_depth_attention_backward_sums(
     out_rstd: torch.Tensor | None = None,
     need_out_norm_weight: bool = False,
     subset: bool = False,
+    handoff: tuple[torch.Tensor, torch.Tensor] | None = None,
     paired: PairedCall | None = None,
     parameter_grads: bool = False,
 ) -> BackwardSums:
@@ -72,9 +71,12 @@ def fused_depth_attention_backward_sums(
     (contiguous, the sources' shape) and returns the fp32 sums (:class:`BackwardSums`). With
     ``out_norm_weight`` (and the forward's ``out_rstd``), ``grad_out`` is the grad of ``normed =
     RMSNorm(out)``. ``subset``: ``sources`` are only some of the call's sources (its ``lse``
-    covers all). ``paired``: also the gradient of a second call for the first ``paired.count``
-    sources (added into the same grads; its ``g`` over them in ``g2``). ``subset`` and
-    ``paired`` need the preload kernel (``fused.BACKWARD_KERNEL``). ``parameter_grads`` (preload kernel, neither
+    covers all). ``handoff`` (with ``subset``): ``(grad_mix, c)`` buffers (the sources' shape and dtype;
+    fp32 ``[T]``) that receive this call's mix gradient, rounded to that dtype, and the ``c`` of that rounded
+    gradient, which this pass uses too (a :class:`PairedCall` for the first call's backward). ``paired``:
+    also the gradient of a second call for the first ``paired.count`` sources (added into the same
+    grads; its ``g`` over them in ``g2``). ``subset``, ``handoff`` and ``paired`` need the preload kernel
+    (``fused.BACKWARD_KERNEL``). ``parameter_grads`` (preload kernel, neither
     ``subset`` nor ``paired``): return the parameters' grads in their dtypes, computed by the finish
     kernel, instead of the fp32 sums."""
     T, H = fused._tokens(sources[0])
@@ -83,12 +85,12 @@ def fused_depth_attention_backward_sums(
     preload = fused.BACKWARD_KERNEL == "preload"
     if (subset or paired is not None) and not preload:
         raise ValueError("subset / paired backward needs fused.BACKWARD_KERNEL = 'preload'")
-    if paired is not None and (paired.out_norm_weight is not None) != norm_out:
-        raise ValueError("a paired call must have the fused output norm iff this call has it")
+    if handoff is not None and not subset:
+        raise ValueError("handoff is the own pass of a pair's second call: it needs subset")
     if parameter_grads and (subset or paired is not None or not preload):
         raise ValueError("parameter_grads needs the preload kernel and neither subset nor paired")
     rows = 1 + (norm_out and need_out_norm_weight) + (paired is not None)
-    if T == 0:
+    if T == 0:  # (an empty handoff has nothing to write)
         zero = torch.zeros(H, dtype=torch.float32, device=device)
         sums = BackwardSums(zero, zero if norm_out else None, zero if paired is not None else None)
         return _as_parameter_grads(sums, query, norm_weight, out_norm_weight) if parameter_grads else sums
@@ -101,19 +103,21 @@ def fused_depth_attention_backward_sums(
         kernel = fused._depth_attention_bwd_preload_kernel
         cfg = fused.launch_config(H, fused.BACKWARD_TILE_ELEMENTS, fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
         kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, NORM_OUT=norm_out,
-                      SUBSET=subset, PAIRED=0 if paired is None else paired.count,
+                      SUBSET=subset, PAIRED=0 if paired is None else paired.count, HANDOFF=handoff is not None,
                       OUT_NORM_GRAD=norm_out and need_out_norm_weight, RELOAD=fused.BACKWARD_RELOAD,
                       PIPELINE=fused.BACKWARD_PIPELINE, STAGES=fused.BACKWARD_TILE_STAGES,
-                      PACK=fused.BACKWARD_PACK_ROWS
-                      and fused._packable(H, sources, grad_sources, out, grad_out, paired))
+                      PACK=fused.BACKWARD_PACK_ROWS and fused._packable(
+                          H, sources, grad_sources, out, grad_out, None if paired is None else paired.grad_mix))
     else:
         kernel = fused._depth_attention_bwd_kernel
         cfg = fused.backward_launch_config(H, norm_out)
         kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
                       FUSE_REDUCTIONS=fused.BACKWARD_FUSE_REDUCTIONS, PREFETCH=fused.BACKWARD_PREFETCH,
                       NORM_OUT=norm_out)
+    if preload and subset and fused.BACKWARD_SUBSET_MAXNREG and device.type == "cuda":
+        kwargs["maxnreg"] = fused.BACKWARD_SUBSET_MAXNREG  # a compile option (in the capacity key with the rest)
     key = (device, kernel, *kwargs.values(), cfg, sources[0].dtype, out.dtype,
-           None if paired is None else paired.out.dtype, fused.BACKWARD_PROGRAMS_PER_SM)
+           None if paired is None else paired.grad_mix.dtype, fused.BACKWARD_PROGRAMS_PER_SM)
     capacity = fused._backward_capacities.get(key)
     programs = max(1, min(-(-T // cfg.block_t), capacity or 1))
     # One fp32 buffer for every per-program partial-sum array, [rows, programs, h]: g, then
@@ -123,17 +127,14 @@ def fused_depth_attention_backward_sums(
         partial = torch.empty((rows_alloc, programs, H), dtype=torch.float32, device=device)
         row_g_out_norm = partial[1] if (norm_out and (need_out_norm_weight or not preload)) else partial[0]
         if preload:
-            p2 = paired
-            pointers = (
-                query if p2 is None else p2.query, norm_weight if p2 is None else p2.norm_weight,
-                out if p2 is None else p2.out, grad_out if p2 is None else p2.grad_out, lse if p2 is None else p2.lse,
-                (out_norm_weight if norm_out else norm_weight) if p2 is None or not norm_out else p2.out_norm_weight,
-                (out_rstd if norm_out else lse) if p2 is None or not norm_out else p2.out_rstd,
-                partial[rows - 1] if p2 is not None else partial[0],
-            )
+            # Where unused (no pair, no handoff), the pointers repeat this call's own (never read or written).
+            p2 = paired or PairedCall(0, query, norm_weight, lse, grad_out, lse)
+            handoff_grad, handoff_c = handoff or (grad_out, lse)
             args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, partial[0],
                     out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, row_g_out_norm,
-                    *pointers, T, H, eps, out_norm_eps, out_norm_eps if p2 is None else p2.out_norm_eps]
+                    p2.query, p2.norm_weight, p2.grad_mix, p2.c, p2.lse,
+                    partial[rows - 1] if paired is not None else partial[0], handoff_grad, handoff_c,
+                    T, H, eps, out_norm_eps]
         else:
             args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, partial[0],
                     out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, row_g_out_norm,

@@ -92,12 +92,13 @@ class FusedDepthAttention(torch.autograd.Function):
                 returned.append(None)
         grad_partner_query = grad_partner_norm_weight = None
         if shared:  # the second call of a pair: its own sources only, the rest deferred
+            # with its mix gradient (rounded to the sources' dtype) and that gradient's c, for the first call
+            grad_mix, c = torch.empty_like(grad_out), torch.empty_like(lse)
             sums = fused_depth_attention_backward_sums(
                 views[shared:], query, norm_weight, ctx.eps, out, lse, grad_out, dests, accumulate,
-                out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2], subset=True,
+                out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2], subset=True, handoff=(grad_mix, c),
             )
-            call = PairedCall(shared, query, norm_weight, out, grad_out, lse, out_norm_weight, out_rstd,
-                              ctx.out_norm_eps)
+            call = PairedCall(shared, query, norm_weight, lse, grad_mix, c)
             role.pair.defer(call, sums.g, needs[:2], ctx.source_grads[:shared])
             grad_query = grad_norm_weight = None  # returned by the first call's backward
         else:

@@ -145,6 +145,10 @@ BACKWARD_TILE_STAGES: int | None = None
 # Preload kernel: hold the loaded 2-byte rows as int32 pairs (one register per two values; ptxas kept bf16 values
 # one per 16-bit register and spilled them), where h is even and every such tensor 4-byte aligned.
 BACKWARD_PACK_ROWS = True
+# Preload kernel's own pass of a pair's second call (SUBSET, one source at the benchmark): a register cap (ptxas
+# maxnreg) so that three programs fit an SM (Triton 3.6 on the H200 gave it two without: 74 -> 62 us a call; 128,
+# four per SM, 58 us but 32 bytes spilled and more partial rows to sum; docs/attn_res.md); None: the compiler's choice.
+BACKWARD_SUBSET_MAXNREG: int | None = 168
 # 32 columns per finish program (64 programs at h = 2048): 0.28 vs 0.43 ms over the benchmark's 17 calls with
 # 128 (tools/sweep_attnres_kernels.py), now that the 4-warp backward leaves two partial rows per SM.
 FINISH_BLOCK, FINISH_BLOCK_P = 32, 16
@@ -182,10 +186,9 @@ def _one_wave(device: torch.device, kernel, args, kwargs, num_warps: int, per_sm
 
 def _packable(hidden: int, *tensors) -> bool:
     """Rows of h elements can be loaded as int32 pairs: h even and every 2-byte tensor 4-byte aligned.
-    ``tensors``: tensors, sequences of them, ``None`` or a ``backward.PairedCall`` (its ``out`` and ``grad_out``)."""
+    ``tensors``: tensors, sequences of them or ``None``."""
     flat = [t for group in tensors if group is not None
-            for t in ((group,) if isinstance(group, torch.Tensor) else
-                      group if isinstance(group, (list, tuple)) else (group.out, group.grad_out))]
+            for t in ((group,) if isinstance(group, torch.Tensor) else group)]
     return hidden % 2 == 0 and all(t.element_size() != 2 or t.data_ptr() % 4 == 0 for t in flat)
 
 

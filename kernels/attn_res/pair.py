@@ -9,21 +9,24 @@ attention mixer), and each read every shared block and read-modify-wrote its in-
 * the second call's (the MLP mixer's) backward computes only the grads of its own sources that
   the first call does not read (the partial sum: it needs only that source, ``dy``, ``out`` and
   ``lse``; ``subset`` kernel) and its output-norm weight grad, and leaves what the shared blocks
-  need (its ``dy``, ``out``, ``lse``, query, norm weights) in the link;
+  need in the link: the gradient of its mix (its output norm's backward done, rounded to the
+  sources' dtype), that gradient's softmax sum ``c`` (fp32 per token; ``handoff``), its ``lse``,
+  query and norm weights;
 * the first call's (the attention mixer's) backward reads each shared block once and adds both
   calls' grads into its in-place grad in one store (``PAIRED`` kernel), and returns the second
   call's query and key-norm weight grads as well (the second mixer's parameters are inputs of the
   first call for that).
 
-Per layer with m shared blocks this moves ``2 m + 8 + m_acc`` [T, h] tensors instead of
-``4 m + 6 + 2 m_acc`` (m_acc: shared blocks whose grad is accumulated, i.e. read back).
+Per layer with m shared blocks (the second call's output saved in fp32: two units) this moves
+``2 m + 9 + m_acc`` [T, h] tensors instead of ``4 m + 7 + 2 m_acc`` (m_acc: shared blocks whose grad
+is accumulated, i.e. read back).
 
 Pairing needs the shared sources tracked (``track_source_grad``: their grads never go through
 autograd, so it does not matter which node writes them), the same key-norm ``eps`` and both calls
 with the fused output norm (the second call's output is then saved in fp32, for a precise softmax
 backward; ``function.py``); the Triton path only. Otherwise each call runs its
-own backward as before. The second call's deferred inputs are kept from its backward until the
-first call's (one layer's attention-sublayer backward): two ``[T, h]`` tensors more at peak.
+own backward as before. The second call's deferred mix gradient is kept from its backward until the
+first call's (one layer's attention-sublayer backward): one ``[T, h]`` tensor more at peak.
 If the first call's backward never ran in a backward pass in which the second call deferred, the
 shared sources' grads would be incomplete: :class:`~kernels.attn_res.grads.SourceGrad` raises
 when such a source's sum is taken.

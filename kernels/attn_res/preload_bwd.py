@@ -7,14 +7,15 @@ streaming kernel in ``fused.py`` (which loads one source ahead). With ``RELOAD``
 ``fused.BACKWARD_RELOAD``) the grad loop reads each source again (an L2 hit) and its old grad next to its
 store, which leaves registers for one row over 4 warps, two programs per SM. It can also serve a paired second call
 (``backward.PairedCall``: the MLP sublayer's mix over the same blocks as the attention sublayer's), writing
-both calls' source gradients in one read-modify-write of each shared block. The maths per source is the
+both calls' source gradients in one read-modify-write of each shared block; that call's own pass (``SUBSET``)
+hands it the gradient of its mix and the softmax backward's ``c`` (``HANDOFF``). The maths per source is the
 streaming kernel's (module docstring of ``fused.py``).
 """
 
 import triton
 import triton.language as tl
 
-from kernels.attn_res.reductions import row_sums3, row_sums5
+from kernels.attn_res.reductions import row_sums3, row_sums4, row_sums5
 from kernels.attn_res.rows import _load_rows, _rows_f32, _tile_offsets
 
 
@@ -35,31 +36,30 @@ def _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT: tl
 
 
 @triton.jit
-def _tile_rows(src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptr, out2_ptr, tile_at, H, N: tl.constexpr,
+def _tile_rows(src_ptrs, grad_out_ptr, out_ptr, grad_mix2_ptr, tile_at, H, N: tl.constexpr,
                BLOCK_H: tl.constexpr, PAIRED: tl.constexpr, PACK: tl.constexpr):
-    """A tile's ``dy``, ``out`` (and the paired call's; else the first call's again, never read) and the n
+    """A tile's ``dy``, ``out``, the paired call's mix gradient (else ``dy`` again, never read) and the n
     sources, as loaded (``rows._load_rows``), in that order."""
     dy_raw = _load_rows(grad_out_ptr, tile_at, H, BLOCK_H, PACK)
     out_raw = _load_rows(out_ptr, tile_at, H, BLOCK_H, PACK)
-    dy2_raw, out2_raw = dy_raw, out_raw
+    dmix2_raw = dy_raw
     if PAIRED > 0:
-        dy2_raw = _load_rows(grad_out2_ptr, tile_at, H, BLOCK_H, PACK)
-        out2_raw = _load_rows(out2_ptr, tile_at, H, BLOCK_H, PACK)
+        dmix2_raw = _load_rows(grad_mix2_ptr, tile_at, H, BLOCK_H, PACK)
     vs = ()
     for i in tl.static_range(N):
         vs = vs + (_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK),)
-    return dy_raw, out_raw, dy2_raw, out2_raw, vs
+    return dy_raw, out_raw, dmix2_raw, vs
 
 
 @triton.jit
 def _depth_attention_bwd_preload_kernel(
     src_ptrs, grad_ptrs, query_ptr, norm_weight_ptr, out_ptr, grad_out_ptr, lse_ptr, partial_g_ptr,
     out_norm_weight_ptr, out_rstd_ptr, partial_g_out_norm_ptr,
-    query2_ptr, norm_weight2_ptr, out2_ptr, grad_out2_ptr, lse2_ptr, out_norm_weight2_ptr, out_rstd2_ptr,
-    partial_g2_ptr,
-    T, H, eps, out_norm_eps, out_norm_eps2,
+    query2_ptr, norm_weight2_ptr, grad_mix2_ptr, c2_ptr, lse2_ptr, partial_g2_ptr, handoff_grad_ptr, handoff_c_ptr,
+    T, H, eps, out_norm_eps,
     N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, OUT_NORM_GRAD: tl.constexpr,
+    NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, HANDOFF: tl.constexpr,
+    OUT_NORM_GRAD: tl.constexpr,
     RELOAD: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, PACK: tl.constexpr,
 ):
     """The backward with the loads of a token tile issued before any store (``dy``, ``out``, the
@@ -69,13 +69,17 @@ def _depth_attention_bwd_preload_kernel(
 
     ``SUBSET``: the sources are some of the call's (``lse`` covers all of them), so one source
     does not mean a constant softmax. ``PAIRED`` > 0: the first PAIRED sources also get the
-    gradient of a second call that read them (same key-norm eps; its ``dy``, ``out``, ``lse``,
-    query, norm weight, output-norm weight and rstd under the ``*2`` names): each shared source
-    is read, and its grad written, once for both calls; the second call's ``g`` over those
-    sources goes to ``partial_g2``. ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call.
+    gradient of a second call that read them (same key-norm eps; its query, norm weight and ``lse``, and
+    as its own pass handed them over, the gradient of its mix ``dout`` and its ``c``, under the ``*2``
+    names): each shared source is read, and its grad written, once for both calls; the second call's
+    ``g`` over those sources goes to ``partial_g2``. ``HANDOFF`` (with ``SUBSET``: the second call's own
+    pass): ``dout`` rounded to ``handoff_grad``'s dtype is stored there, ``c = dout . out`` of that rounded
+    ``dout`` to ``handoff_c``, and this pass uses the same two, so every source of the call sees one ``dout``
+    and a ``c`` that is its exact softmax sum (the paired kernel then reads one 2-byte row, not ``dy`` and
+    the fp32 ``out``, and runs no norm backward). ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call.
     Without ``SUBSET`` the kernel sees all of the call's sources and takes the softmax backward's
     ``c`` from them; with it (and for the second call of a pair, whose sources are split over two
-    kernels) ``c`` comes from the stored, rounded output, as in the streaming kernel. ``RELOAD``: the
+    kernels) ``c`` comes from the stored output (saved in fp32 for a pair's second call). ``RELOAD``: the
     grad loop reloads each source (just read by this program: an L2 hit) and loads its old grad there,
     instead of holding both from the top (fewer registers, so more programs per SM).
 
@@ -100,16 +104,16 @@ def _depth_attention_bwd_preload_kernel(
         g2_acc = tl.zeros([BLOCK_H], tl.float32)
 
     if PIPELINE & 2:  # the first tile's rows; each later tile's are loaded during the tile before it
-        dy_raw, out_raw, dy2_raw, out2_raw, vs = _tile_rows(
-            src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptr, out2_ptr, _tile_offsets(pid, T, H, cols, col_mask, BLOCK_T),
+        dy_raw, out_raw, dmix2_raw, vs = _tile_rows(
+            src_ptrs, grad_out_ptr, out_ptr, grad_mix2_ptr, _tile_offsets(pid, T, H, cols, col_mask, BLOCK_T),
             H, N, BLOCK_H, PAIRED, PACK)
 
     for tile in tl.range(pid, tl.cdiv(T, BLOCK_T), num_programs, num_stages=STAGES):
         tile_at = _tile_offsets(tile, T, H, cols, col_mask, BLOCK_T)
         rows, row_mask, mask, offs = tile_at
         if not PIPELINE & 2:  # -- every load of the tile first ------------------------------------------
-            dy_raw, out_raw, dy2_raw, out2_raw, vs = _tile_rows(
-                src_ptrs, grad_out_ptr, out_ptr, grad_out2_ptr, out2_ptr, tile_at, H, N, BLOCK_H, PAIRED, PACK)
+            dy_raw, out_raw, dmix2_raw, vs = _tile_rows(
+                src_ptrs, grad_out_ptr, out_ptr, grad_mix2_ptr, tile_at, H, N, BLOCK_H, PAIRED, PACK)
         olds = ()  # the old grads being added to (placeholders where not accumulated; never read)
         if not PIPELINE & 1:
             for i in tl.static_range(N):
@@ -132,19 +136,16 @@ def _depth_attention_bwd_preload_kernel(
             out_rstd = lse
             gamma_out = u
         dout, c = _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT)
+        if HANDOFF:  # the rounded dout, for this pass and the paired one (its c: with the first source's sums)
+            dout_handed = dout.to(handoff_grad_ptr.dtype.element_ty)
+            tl.store(handoff_grad_ptr + offs, dout_handed, mask=mask)
+            dout = dout_handed.to(tl.float32)
         if PAIRED > 0:
             lse2 = tl.load(lse2_ptr + rows, mask=row_mask, other=0.0)
+            c2 = tl.load(c2_ptr + rows, mask=row_mask, other=0.0)
             u2 = tl.load(query2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             u2 = u2 * tl.load(norm_weight2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            if NORM_OUT:
-                out_rstd2 = tl.load(out_rstd2_ptr + rows, mask=row_mask, other=0.0)
-                gamma_out2 = tl.load(out_norm_weight2_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            else:
-                out_rstd2 = lse2
-                gamma_out2 = u2
-            dout2, c2 = _mix_output_grad(_rows_f32(dy2_raw, grad_out2_ptr, BLOCK_H, PACK),
-                                         _rows_f32(out2_raw, out2_ptr, BLOCK_H, PACK), out_rstd2, gamma_out2, H,
-                                         out_norm_eps2, NORM_OUT)
+            dout2 = _rows_f32(dmix2_raw, grad_mix2_ptr, BLOCK_H, PACK)
         # -- per source: the row reductions first (all sources are in registers) -------------------
         # per-row scalars kept per source: rstd, logit, dout . v (and the paired call's logit, dout . v)
         rstds, logits, das, logits2, das2 = (), (), (), (), ()
@@ -153,6 +154,9 @@ def _depth_attention_bwd_preload_kernel(
             v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
             if i < PAIRED:
                 square_sum, vu, da, vu2, da2 = row_sums5(v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2)
+            elif HANDOFF and i == 0:  # c of the rounded dout, in the same reduction (one barrier less)
+                square_sum, vu, da, c = row_sums4(v * v, v * u[None, :], v * dout, dout * out)
+                tl.store(handoff_c_ptr + rows, c, mask=row_mask)
             else:
                 square_sum, vu, da = row_sums3(v * v, v * u[None, :], v * dout)
             rstd = tl.rsqrt(square_sum / H + eps)
@@ -216,8 +220,7 @@ def _depth_attention_bwd_preload_kernel(
                     dy_raw = _load_rows(grad_out_ptr, following, H, BLOCK_H, PACK)
                     out_raw = _load_rows(out_ptr, following, H, BLOCK_H, PACK)
                     if PAIRED > 0:
-                        dy2_raw = _load_rows(grad_out2_ptr, following, H, BLOCK_H, PACK)
-                        out2_raw = _load_rows(out2_ptr, following, H, BLOCK_H, PACK)
+                        dmix2_raw = _load_rows(grad_mix2_ptr, following, H, BLOCK_H, PACK)
         if PIPELINE & 2:
             vs = next_vs
 

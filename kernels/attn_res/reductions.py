@@ -23,6 +23,11 @@ def _add_triple(a0, b0, c0, a1, b1, c1):
 
 
 @triton.jit
+def _add_four(a0, b0, c0, d0, a1, b1, c1, d1):
+    return a0 + a1, b0 + b1, c0 + c1, d0 + d1
+
+
+@triton.jit
 def _add_five(a0, b0, c0, d0, e0, a1, b1, c1, d1, e1):
     return a0 + a1, b0 + b1, c0 + c1, d0 + d1, e0 + e1
 
@@ -43,6 +48,15 @@ def row_sums3(a, b, c):
     else:
         sa, sb, sc = tl.reduce((a, b, c), 1, _add_triple)
     return sa, sb, sc
+
+
+@triton.jit
+def row_sums4(a, b, c, d):
+    if _INTERPRETED:
+        sa, sb, sc, sd = tl.sum(a, 1), tl.sum(b, 1), tl.sum(c, 1), tl.sum(d, 1)
+    else:
+        sa, sb, sc, sd = tl.reduce((a, b, c, d), 1, _add_four)
+    return sa, sb, sc, sd
 
 
 @triton.jit

@@ -58,15 +58,15 @@ def test_kernels_compile_for_hopper_without_a_gpu(norm_out):
 _PRELOAD_SIGNATURE = {
     "query_ptr": "*fp32", "norm_weight_ptr": "*fp32", "out_ptr": "*bf16", "grad_out_ptr": "*bf16", "lse_ptr": "*fp32",
     "partial_g_ptr": "*fp32", "out_norm_weight_ptr": "*fp32", "out_rstd_ptr": "*fp32",
-    "partial_g_out_norm_ptr": "*fp32", "query2_ptr": "*fp32", "norm_weight2_ptr": "*fp32", "out2_ptr": "*bf16",
-    "grad_out2_ptr": "*bf16", "lse2_ptr": "*fp32", "out_norm_weight2_ptr": "*fp32", "out_rstd2_ptr": "*fp32",
-    "partial_g2_ptr": "*fp32", "T": "i32", "H": "i32", "eps": "fp32", "out_norm_eps": "fp32", "out_norm_eps2": "fp32",
+    "partial_g_out_norm_ptr": "*fp32", "query2_ptr": "*fp32", "norm_weight2_ptr": "*fp32", "grad_mix2_ptr": "*bf16",
+    "c2_ptr": "*fp32", "lse2_ptr": "*fp32", "partial_g2_ptr": "*fp32", "handoff_grad_ptr": "*bf16",
+    "handoff_c_ptr": "*fp32", "T": "i32", "H": "i32", "eps": "fp32", "out_norm_eps": "fp32",
 }
 # Pointers 16-byte aligned and H a multiple of 16, as the launcher specialises them at h = 2048
 # (without it the loads are scalar and each element's 64-bit address takes registers).
-_ALIGNED = ("src_ptrs", "grad_ptrs", "out_ptr", "grad_out_ptr", "out2_ptr", "grad_out2_ptr", "query_ptr",
-            "norm_weight_ptr", "query2_ptr", "norm_weight2_ptr", "out_norm_weight_ptr", "out_norm_weight2_ptr",
-            "partial_g_ptr", "partial_g2_ptr", "partial_g_out_norm_ptr", "H")
+_ALIGNED = ("src_ptrs", "grad_ptrs", "out_ptr", "grad_out_ptr", "grad_mix2_ptr", "handoff_grad_ptr", "query_ptr",
+            "norm_weight_ptr", "query2_ptr", "norm_weight2_ptr", "out_norm_weight_ptr", "partial_g_ptr",
+            "partial_g2_ptr", "partial_g_out_norm_ptr", "H")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
@@ -77,22 +77,29 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     # h = 2048: the benchmark's widest call (n = 9, every source accumulated), the widest pair (the MLP mixer of
     # layer 7 deferring 8 shared blocks to the attention mixer), the second call's own-source pass (subset) and
     # small calls. One row over 4 warps, two programs per SM (<= 255 registers), as measured fastest
-    # (docs/bench/attnres-sweep-h200.json). Spills: at most 64 bytes (n = 9 with the norm spills ~44 to L1
-    # with Triton 3.8; without RELOAD it was ~840), 192 for the widest pair (164 with PIPELINE 1 and PACK, which
-    # still took the step's backward kernels 3.32 -> 2.91 ms in the H200 model profile, docs/attn_res.md); more
-    # means the tile or the kept scalars grew.
+    # (docs/bench/attnres-sweep-h200.json); the own pass capped (fused.BACKWARD_SUBSET_MAXNREG) to three per SM.
+    # Spills: at most 64 bytes (n = 9 with the norm spills ~44 to L1 with Triton 3.8; without RELOAD it was ~840),
+    # 192 for the widest pair (164 with PIPELINE 1 and PACK, which still took the step's backward kernels 3.32 ->
+    # 2.91 ms in the H200 model profile; 120 since the second call hands over its mix gradient, docs/attn_res.md);
+    # more means the tile or the kept scalars grew.
     import kernels.attn_res.fused as fused
     from kernels._compile_check import compile_for, resources
 
     cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
     signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * n, "grad_ptrs": ("*bf16",) * n}
+    if subset:  # a pair's second call: its output saved in fp32, its mix gradient handed on
+        signature["out_ptr"] = "*fp32"
     constexprs = {"N": n, "ACCUMULATE": (1 << n) - 1 if not subset else 0, "BLOCK_T": cfg.block_t,
                   "BLOCK_H": cfg.block_h, "NORM_OUT": norm_out, "SUBSET": subset, "PAIRED": paired,
+                  "HANDOFF": subset,
                   "OUT_NORM_GRAD": norm_out, "RELOAD": fused.BACKWARD_RELOAD, "PIPELINE": fused.BACKWARD_PIPELINE,
                   "STAGES": fused.BACKWARD_TILE_STAGES, "PACK": fused.BACKWARD_PACK_ROWS}
+    maxnreg = fused.BACKWARD_SUBSET_MAXNREG if subset else None  # as the launcher caps the own pass
     compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
-                           aligned=_ALIGNED)
+                           aligned=_ALIGNED, maxnreg=maxnreg)
     used = resources(compiled)
+    if subset:  # three programs per SM, without spills
+        assert used.registers <= 168 and used.spill_stores == 0, used
     max_spill = 192 if paired >= 8 else 64
     assert used.spill_stores <= max_spill and used.spill_loads <= max_spill, (n, paired, used)
     assert cfg.num_warps == 4 and used.registers <= 255, (cfg, used)
@@ -129,7 +136,7 @@ def test_preload_backward_variants_compile(values_per_thread, pipeline, stages, 
     cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, values_per_thread)
     signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * 9, "grad_ptrs": ("*bf16",) * 9}
     constexprs = {"N": 9, "ACCUMULATE": (1 << 9) - 1, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h, "NORM_OUT": True,
-                  "SUBSET": False, "PAIRED": 0, "OUT_NORM_GRAD": True, "RELOAD": True, "PIPELINE": pipeline,
+                  "SUBSET": False, "PAIRED": 0, "HANDOFF": False, "OUT_NORM_GRAD": True, "RELOAD": True, "PIPELINE": pipeline,
                   "STAGES": stages, "PACK": pack}
     compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
                            aligned=_ALIGNED)

@@ -130,11 +130,12 @@ def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32):
     out2, lse2, rstd2 = _forward(fused, sources2, query2, gamma2, gamma_o2)
     out2 = out2.float()  # the second call of a pair saves its output in fp32 (function.py, out_dtype)
     olds = [torch.randn(tokens, HIDDEN, generator=gen).to(dtype) for _ in range(shared)]
-    pair = backward.PairedCall(shared, query2, gamma2, out2, dy2, lse2, gamma_o2, rstd2, OUT_NORM_EPS)
     norm_kwargs = dict(out_norm_eps=OUT_NORM_EPS, need_out_norm_weight=norm)
+    handoff = torch.empty_like(dy2), torch.empty_like(lse2)
     own_grad, own_sums = _backward(fused, changes, [own], query2, gamma2, EPS, out2, lse2, dy2, olds=[own],
                                    accumulate=[False], out_norm_weight=gamma_o2, out_rstd=rstd2, subset=True,
-                                   **norm_kwargs)
+                                   handoff=handoff, **norm_kwargs)
+    pair = backward.PairedCall(shared, query2, gamma2, lse2, *handoff)
     grads, sums = _backward(fused, changes, sources, query, gamma, EPS, out, lse, dy, olds=olds,
                             accumulate=[True] * shared, out_norm_weight=gamma_o, out_rstd=rstd, paired=pair,
                             **norm_kwargs)
@@ -198,13 +199,10 @@ def test_packed_rows_equal_default_in_16_bit(variant, dtype):
 
 def test_rows_packed_only_where_even_and_aligned():
     import kernels.attn_res.fused as fused
-    from kernels.attn_res import backward
 
     rows = torch.zeros(3, 16, dtype=torch.bfloat16)
     assert fused._packable(16, [rows], rows.float(), None)
     assert not fused._packable(15, [rows])  # odd h
     assert not fused._packable(16, [rows], torch.zeros(49, dtype=torch.bfloat16)[1:].view(3, 16))  # 2-byte aligned
     assert fused._packable(16, torch.zeros(49)[1:].view(3, 16))  # fp32: not packed, any alignment
-    pair = backward.PairedCall(1, None, None, torch.zeros(33, dtype=torch.float16)[1:].view(2, 16), rows, None, None,
-                               None, 0.0)
-    assert not fused._packable(16, [rows], pair)
+    assert not fused._packable(16, [rows], (rows, torch.zeros(33, dtype=torch.float16)[1:].view(2, 16)))
