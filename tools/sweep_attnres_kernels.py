@@ -100,8 +100,10 @@ CONFIGS = [
     ("bwd-stages2", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2}),  # 255, 140 | 255, 336; 3.35
     ("bwd-stages2-8vpt", {**_UNPACKED_BACKWARD, "BACKWARD_TILE_STAGES": 2,
                           "BACKWARD_PRELOAD_VALUES_PER_THREAD": 8}),  # 155 | 199, 0; 3.83
-    # a pair's second call's own pass (one source, with the handoff) capped: 166 registers, no spills | 128, 32 bytes
-    ("bwd-subset-168", {"BACKWARD_SUBSET_MAXNREG": 168}),
+    # a pair's second call's own pass (one source, with the handoff; default capped at 168: 166 registers, no spills,
+    # three per SM, 62 us a call on the H200): uncapped 167 offline but two per SM on the H200, 74 us; 128: 32 bytes
+    # spilled, four per SM, 58 us (docs/attn_res.md, "The second call's mix gradient handed over")
+    ("bwd-subset-uncapped", {"BACKWARD_SUBSET_MAXNREG": None}),
     ("bwd-subset-128", {"BACKWARD_SUBSET_MAXNREG": 128}),
 ]
 KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",

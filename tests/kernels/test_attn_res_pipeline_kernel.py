@@ -197,6 +197,39 @@ def test_packed_rows_equal_default_in_16_bit(variant, dtype):
         fused.BACKWARD_TILE_ELEMENTS = saved
 
 
+@interpreter_case
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_handoff_is_the_rounded_mix_grad_and_its_own_softmax_sum(dtype):
+    # A pair's second call hands the paired kernel its mix gradient (after its output norm's backward) rounded to
+    # the sources' dtype, and c = that rounded gradient . out. c must be the softmax backward's own sum over every
+    # source of the call for that gradient, sum_i a_i (dout . v_i), or the shared sources' dlogits carry the
+    # rounding (docs/attn_res.md, "Precision of c").
+    import kernels.attn_res.fused as fused
+    from kernels.attn_res.backward import fused_depth_attention_backward_sums as backward_sums
+
+    gen = torch.Generator().manual_seed(5)
+    sources, query, gamma, gamma_o, dy = _call(gen, 3, 7, True, dtype)
+    # the output of a pair's second call is written and saved in fp32 (function.py, out_dtype)
+    out, lse, _, rstd = fused.fused_depth_attention_forward(sources, query, gamma, EPS, gamma_o, OUT_NORM_EPS,
+                                                            torch.float32)
+    handoff = torch.empty_like(dy), torch.empty_like(lse)
+    grads = [torch.empty_like(sources[-1])]
+    backward_sums(sources[-1:], query, gamma, EPS, out, lse, dy, grads, [False], gamma_o, OUT_NORM_EPS, rstd,
+                  True, subset=True, handoff=handoff)
+    grad_mix, c = handoff
+    out64 = out.double().requires_grad_(True)
+    normed = out64 * torch.rsqrt(out64.pow(2).mean(-1, keepdim=True) + OUT_NORM_EPS) * gamma_o.double()
+    (want,) = torch.autograd.grad(normed, out64, dy.double())
+    assert grad_mix.dtype == dtype
+    torch.testing.assert_close(grad_mix.double(), want.to(dtype).double(), rtol=2 ** -7, atol=1e-6)
+    keys = [v.double() * torch.rsqrt(v.double().pow(2).mean(-1, keepdim=True) + EPS) * gamma.double() for v in sources]
+    a = torch.softmax(torch.stack([k @ query.double() for k in keys]), dim=0)
+    own_sum = sum(a[i] * (grad_mix.double() * sources[i].double()).sum(-1) for i in range(3))
+    scale = grad_mix.double().norm(dim=-1) * out.double().norm(dim=-1)
+    assert ((c.double() - own_sum).abs() <= 1e-5 * scale).all(), (c, own_sum)
+    assert ((c.double() - (grad_mix.double() * out.double()).sum(-1)).abs() <= 1e-6 * scale).all()
+
+
 def test_rows_packed_only_where_even_and_aligned():
     import kernels.attn_res.fused as fused
 
