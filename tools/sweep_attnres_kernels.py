@@ -104,6 +104,10 @@ CONFIGS = [
     # three per SM, 62 us a call on the H200): uncapped 167 offline but two per SM on the H200, 74 us; 128: 32 bytes
     # spilled, four per SM, 58 us (docs/attn_res.md, "The second call's mix gradient handed over")
     ("bwd-subset-uncapped", {"BACKWARD_SUBSET_MAXNREG": None}),
+    # at most 4 / 6 old grads held, the rest loaded that many sources ahead in the grad pass: the widest pair
+    # 255, 0 | 255, 40 spill bytes (default 120); not yet measured on the H200
+    ("bwd-olds4", {"BACKWARD_OLD_GRADS_AHEAD": 4}),
+    ("bwd-olds6", {"BACKWARD_OLD_GRADS_AHEAD": 6}),
     ("bwd-subset-128", {"BACKWARD_SUBSET_MAXNREG": 128}),
 ]
 KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",

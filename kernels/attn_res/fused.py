@@ -139,6 +139,10 @@ BACKWARD_RELOAD = True
 # step's 17 backward calls 3.63 -> 3.01 ms in the H200 sweep, 3.32 -> 2.91 ms in the model's profile (docs/attn_res.md,
 # "Layout variants").
 BACKWARD_PIPELINE = 1
+# With BACKWARD_PIPELINE bit 1: at most this many old grads held in registers at once, the rest loaded in the grad
+# pass that many sources ahead of their stores; None: all after their reductions (the default). ptxas sm_90 (Triton
+# 3.8), the widest pair (m = 8): 4 takes its spills from 120 bytes to none; not measured on a GPU yet.
+BACKWARD_OLD_GRADS_AHEAD: int | None = None
 # Preload kernel's tile loop as tl.range(num_stages=...) (Triton pipelines the loads as cp.async into shared
 # memory: ~140 KB at n = 9, h = 2048 with 2 stages, so one program per SM; 3 stages do not fit); None: off.
 BACKWARD_TILE_STAGES: int | None = None

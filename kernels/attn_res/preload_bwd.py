@@ -61,6 +61,7 @@ def _depth_attention_bwd_preload_kernel(
     NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, HANDOFF: tl.constexpr,
     OUT_NORM_GRAD: tl.constexpr,
     RELOAD: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, PACK: tl.constexpr,
+    OLDS_AHEAD: tl.constexpr,
 ):
     """The backward with the loads of a token tile issued before any store (``dy``, ``out``, the
     n sources, and without ``RELOAD`` the old grads being added to), kept in registers as loaded
@@ -92,7 +93,10 @@ def _depth_attention_bwd_preload_kernel(
     source i's store (one L2 round trip per source less on the grad pass's critical path). ``STAGES``: the tile
     loop as ``tl.range(num_stages=STAGES)`` (Triton's software pipelining: the tile's loads become async copies
     into shared memory; None: off).
-    ``PACK``: rows held across code (``dy``, ``out``, sources, old grads) as int32 pairs (``_load_rows``)."""
+    ``PACK``: rows held across code (``dy``, ``out``, sources, old grads) as int32 pairs (``_load_rows``).
+    ``OLDS_AHEAD`` (with ``PIPELINE`` bit 1): at most that many old grads held at once: those of the first
+    OLDS_AHEAD sources are loaded after their reductions, each later one in the grad pass OLDS_AHEAD sources
+    ahead of its store (N: all after their reductions)."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -166,10 +170,10 @@ def _depth_attention_bwd_preload_kernel(
             if not SUBSET:
                 c_exact += tl.exp(vu * rstd - lse) * da
             if PIPELINE & 1:
-                if (ACCUMULATE >> i) & 1:
+                if (ACCUMULATE >> i) & 1 and i < OLDS_AHEAD:
                     olds = olds + (_load_rows(grad_ptrs[i], tile_at, H, BLOCK_H, PACK),)
                 else:
-                    olds = olds + (vs[i],)
+                    olds = olds + (vs[i],)  # placeholder: loaded in the grad pass (or not accumulated)
         if not SUBSET:
             # c = sum_i a_i (dout . v_i), the softmax backward's own sum, from the sources. dout . out
             # (above) takes out as stored, rounded to bf16: dlogit_i = a_i (dout . v_i - c) is a difference
@@ -208,6 +212,13 @@ def _depth_attention_bwd_preload_kernel(
                       + coef2[:, None] * u2[None, :] - scale_v[:, None] * v)
             else:
                 dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
+            if PIPELINE & 1 and i + OLDS_AHEAD < N and (ACCUMULATE >> (i + OLDS_AHEAD)) & 1:
+                # the window's next old grad, issued before this source's store
+                late_old = _load_rows(grad_ptrs[i + OLDS_AHEAD], tile_at, H, BLOCK_H, PACK)
+                window = ()
+                for k in tl.static_range(N):
+                    window = window + (late_old if k == i + OLDS_AHEAD else olds[k],)
+                olds = window
             if (ACCUMULATE >> i) & 1:
                 if RELOAD and not PIPELINE & 1:
                     dv += tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)

@@ -93,7 +93,8 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
                   "BLOCK_H": cfg.block_h, "NORM_OUT": norm_out, "SUBSET": subset, "PAIRED": paired,
                   "HANDOFF": subset,
                   "OUT_NORM_GRAD": norm_out, "RELOAD": fused.BACKWARD_RELOAD, "PIPELINE": fused.BACKWARD_PIPELINE,
-                  "STAGES": fused.BACKWARD_TILE_STAGES, "PACK": fused.BACKWARD_PACK_ROWS}
+                  "STAGES": fused.BACKWARD_TILE_STAGES, "PACK": fused.BACKWARD_PACK_ROWS,
+                  "OLDS_AHEAD": min(fused.BACKWARD_OLD_GRADS_AHEAD or n, n)}
     maxnreg = fused.BACKWARD_SUBSET_MAXNREG if subset else None  # as the launcher caps the own pass
     compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
                            aligned=_ALIGNED, maxnreg=maxnreg)
@@ -103,6 +104,24 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     max_spill = 192 if paired >= 8 else 64
     assert used.spill_stores <= max_spill and used.spill_loads <= max_spill, (n, paired, used)
     assert cfg.num_warps == 4 and used.registers <= 255, (cfg, used)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
+def test_widest_pair_fits_without_spills_with_four_old_grads_held():
+    # fused.BACKWARD_OLD_GRADS_AHEAD = 4 (tools/sweep_attnres_kernels.py "bwd-olds4"): the widest pair (8 shared
+    # blocks, all accumulated, the norm fused) holds 4 old grads instead of 8 and no longer spills (120 bytes
+    # with all 8 held; Triton 3.8).
+    import kernels.attn_res.fused as fused
+    from kernels._compile_check import compile_for, resources
+
+    cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
+    signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * 8, "grad_ptrs": ("*bf16",) * 8}
+    constexprs = {"N": 8, "ACCUMULATE": 255, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h, "NORM_OUT": True,
+                  "SUBSET": False, "PAIRED": 8, "HANDOFF": False, "OUT_NORM_GRAD": True, "RELOAD": True,
+                  "PIPELINE": 1, "STAGES": None, "PACK": True, "OLDS_AHEAD": 4}
+    used = resources(compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs,
+                                 num_warps=cfg.num_warps, aligned=_ALIGNED))
+    assert used.spill_stores == 0 and used.spill_loads == 0, used
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
@@ -137,7 +156,7 @@ def test_preload_backward_variants_compile(values_per_thread, pipeline, stages, 
     signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * 9, "grad_ptrs": ("*bf16",) * 9}
     constexprs = {"N": 9, "ACCUMULATE": (1 << 9) - 1, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h, "NORM_OUT": True,
                   "SUBSET": False, "PAIRED": 0, "HANDOFF": False, "OUT_NORM_GRAD": True, "RELOAD": True, "PIPELINE": pipeline,
-                  "STAGES": stages, "PACK": pack}
+                  "STAGES": stages, "PACK": pack, "OLDS_AHEAD": 9}
     compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
                            aligned=_ALIGNED)
     used = resources(compiled)

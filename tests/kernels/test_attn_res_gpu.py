@@ -159,7 +159,7 @@ def test_bf16_layer_block_grads_match_fp32(monkeypatch, kernel, paired, num_bloc
         assert _rel(got[i], want[i]) <= bound, f"block {i}: {_rel(got[i], want[i]):.3e} > {bound:.3e}"
 
 
-@pytest.mark.parametrize("kernel_layout", ["default", "unpacked"])
+@pytest.mark.parametrize("kernel_layout", ["default", "unpacked", "bwd-olds4"])
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("num_blocks", [1, 8])
 def test_bf16_preload_every_grad_as_precise_as_torch_bf16(monkeypatch, num_blocks, paired, kernel_layout):

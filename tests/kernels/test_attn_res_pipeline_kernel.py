@@ -21,6 +21,7 @@ VARIANTS = {  # BACKWARD_PIPELINE bits: 1 old grads early, 2 the next tile's row
     "pipe5": {"BACKWARD_PIPELINE": 5},
     "pipe3": {"BACKWARD_PIPELINE": 3},
     "pipe7-hold": {"BACKWARD_PIPELINE": 7, "BACKWARD_RELOAD": False},
+    "pipe1-olds2": {"BACKWARD_PIPELINE": 1, "BACKWARD_OLD_GRADS_AHEAD": 2},  # a window of 2 old grads held
     "stages2": {"BACKWARD_TILE_STAGES": 2},
 }
 PACKED = {  # the int32-pair loads only change 2-byte rows (test_packed_rows_equal_default_in_16_bit)
@@ -144,7 +145,7 @@ def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32):
 
 
 @interpreter_case
-@pytest.mark.parametrize("variant", ["pipe1", "pipe5", "pipe3"])
+@pytest.mark.parametrize("variant", ["pipe1", "pipe5", "pipe3", "pipe1-olds2"])
 def test_paired_variant_equals_default_and_reference(variant, norm=True):
     # pair.py pairs calls with the fused norm only (the second call's c then comes from its fp32 output)
     import kernels.attn_res.fused as fused
