@@ -3,10 +3,12 @@
 Each config changes module constants of fused.py from their defaults. The measure is one training
 step's depth-attention calls as the benchmark model makes them (``bench_attnres_kernel.schedule_step``:
 N = 8 blocks over 16 sublayers and the final mix, bf16, T = 8192, h = 2048, in-place block grads, fused
-norms): the CUDA time of the forward, backward and finish kernels (torch profiler, mean of a few steps,
-so host time and launch gaps do not count) and the step's ``do_bench`` median, in rounds that visit the
-configs in alternating order (the GPU clocks up over the first seconds; a config timed only first would
-look slow). Every config's grads are compared with the default's (max |diff| / max |ref|).
+norms, each layer's two mixers paired as in the model; ``--unpaired``: every call on its own, the measure
+before 2026-12-02 17:00): the CUDA time of the forward, backward and finish kernels (torch profiler, mean of a
+few steps, so host time and launch gaps do not count), each kernel call's microseconds in call order, and the
+step's ``do_bench`` median, in rounds that visit the configs in alternating order (the GPU clocks up over the
+first seconds; a config timed only first would look slow). Every config's grads are compared with the
+default's (max |diff| / max |ref|).
 
 Triton compiles ~26 specialisations per config (n = 1..9, accumulate masks, the norm); ``--jobs`` runs the
 compiles in parallel processes on a tiny token count first (same specialisation keys), then times in this
@@ -125,27 +127,48 @@ def layout(changes: dict):
     return bench_common.constants_layout(fused, changes)
 
 
-def kernel_ms(step, steps: int = 5) -> dict:
-    """Mean CUDA ms per step of the depth-attention kernels (and everything else) over ``steps`` steps."""
+def kernel_ms(step, paired: bool, steps: int = 5) -> dict:
+    """:func:`kernel_times` of ``steps`` steps under the torch profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            step(False)
+            step(paired)
         torch.cuda.synchronize()
+    events = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+              if e.device_type == torch.autograd.DeviceType.CUDA]
+    return kernel_times(events, steps)
+
+
+def kernel_times(events, steps: int) -> dict:
+    """From the CUDA kernels of ``steps`` identical steps, ``(name, start, microseconds)``: ms per step of the
+    depth-attention kernel groups (``fwd``, ``bwd``, ``finish``, their sum ``attn_res``, and ``other``), and
+    ``calls``: each group's microseconds per call in call order, the mean over the steps."""
     total = {"fwd": 0.0, "bwd": 0.0, "finish": 0.0, "other": 0.0}
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            total[KERNELS.get(e.key, "other")] += e.device_time_total / 1e3 / steps
+    sequences = {"fwd": [], "bwd": [], "finish": []}
+    for name, _, us in sorted(events, key=lambda e: e[1]):
+        group = KERNELS.get(name, "other")
+        total[group] += us / 1e3 / steps
+        if group != "other":
+            sequences[group].append(us)
     total["attn_res"] = total["fwd"] + total["bwd"] + total["finish"]
-    return {k: round(v, 4) for k, v in total.items()}
+    result = {k: round(v, 4) for k, v in total.items()}
+    calls = {}
+    for group, seq in sequences.items():
+        if len(seq) % steps:
+            raise ValueError(f"{len(seq)} {group} kernels are not {steps} equal steps")
+        per = len(seq) // steps
+        calls[group] = [round(sum(seq[k * per + j] for k in range(steps)) / steps, 1) for j in range(per)]
+    result["calls"] = calls
+    return result
 
 
-def compile_all(names: list[str], jobs: int) -> None:
-    """Compile each config's specialisations in its own process (tiny T, same keys), ``jobs`` at once."""
+def compile_all(names: list[str], jobs: int, extra: tuple = ()) -> None:
+    """Compile each config's specialisations in its own process (tiny T, same keys), ``jobs`` at once;
+    ``extra``: more arguments for those processes."""
     pending, running = list(names), []
     while pending or running:
         while pending and len(running) < jobs:
             name = pending.pop(0)
-            running.append(subprocess.Popen([sys.executable, __file__, "--compile-only", name],
+            running.append(subprocess.Popen([sys.executable, __file__, "--compile-only", name, *extra],
                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
         proc = running.pop(0)
         _, err = proc.communicate()
@@ -161,6 +184,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--tolerance", type=float, default=2e-2)
+    parser.add_argument("--unpaired", dest="paired", action="store_false",
+                        help="every call's backward on its own (the measure before 2026-12-02 17:00), not paired")
     parser.add_argument("--compile-only", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -170,11 +195,11 @@ def main():
     if args.compile_only:
         changes = dict(CONFIGS)[args.compile_only]
         bench_common.set_constants(fused, changes)
-        schedule_step(device, torch.bfloat16, 64, args.hidden)(False)
+        schedule_step(device, torch.bfloat16, 64, args.hidden)(args.paired)
         torch.cuda.synchronize()
         return
     t0 = datetime.datetime.now(datetime.timezone.utc)
-    compile_all([n for n, _ in configs], args.jobs)
+    compile_all([n for n, _ in configs], args.jobs, () if args.paired else ("--unpaired",))
     print(f"compiled {len(configs)} configs in {(datetime.datetime.now(datetime.timezone.utc) - t0).seconds} s",
           flush=True)
     import triton.testing
@@ -185,7 +210,7 @@ def main():
     for name, changes in configs:  # grads first (also warms every config up)
         try:
             with layout(changes):
-                grads = step(False)
+                grads = step(args.paired)
             if reference is None:
                 reference = grads
             err = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
@@ -199,8 +224,8 @@ def main():
             if "error" in rows[name]:
                 continue
             with layout(changes):
-                rows[name]["step_ms"].append(triton.testing.do_bench(lambda: step(False), return_mode="median"))
-                rows[name]["kernels"].append(kernel_ms(step))
+                rows[name]["step_ms"].append(triton.testing.do_bench(lambda: step(args.paired), return_mode="median"))
+                rows[name]["kernels"].append(kernel_ms(step, args.paired))
     table = []
     for name, row in rows.items():
         if "error" in row:
@@ -216,13 +241,16 @@ def main():
         k = row["best_kernels"]
         print(f"{row['config']:24s} {k['fwd']:7.3f} {k['bwd']:7.3f} {k['finish']:7.3f} {k['attn_res']:8.3f} "
               f"{k['attn_res'] / base:7.3f} {row['median_step_ms']:7.3f} {row['agrees']} ({row['max_rel_diff']:.1e})")
+    print("backward us per call, in call order (the final mix first; paired: each MLP mixer's own pass, then its pair):")
+    for row in table:
+        print(f"  {row['config']:22s} {row['best_kernels']['calls']['bwd']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(dict(
             device=torch.cuda.get_device_name(), date=t0.strftime("%Y-%m-%d %H:%M UTC"), torch=torch.__version__,
-            triton=__import__("triton").__version__, tokens=args.tokens, hidden=args.hidden,
-            what="one step's 17 depth-attention calls (N = 8, 16 sublayers), CUDA ms per kernel group "
-                 "(best of rounds) and do_bench step medians", rows=list(rows.values())), indent=1))
+            triton=__import__("triton").__version__, tokens=args.tokens, hidden=args.hidden, paired=args.paired,
+            what="one step's 17 depth-attention calls (N = 8, 16 sublayers), CUDA ms per kernel group and us per "
+                 "call (best of rounds), and do_bench step medians", rows=list(rows.values())), indent=1))
 
 
 if __name__ == "__main__":
