@@ -160,6 +160,12 @@ _resident_programs: dict = {}
 _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
 
 
+def backward_old_grads_ahead(n: int) -> int:
+    """The preload kernel's ``OLDS_AHEAD`` for n sources: ``BACKWARD_OLD_GRADS_AHEAD`` (0: every old grad loaded
+    next to its store), at most n; n where it is None (all held from their reductions)."""
+    return n if BACKWARD_OLD_GRADS_AHEAD is None else min(BACKWARD_OLD_GRADS_AHEAD, n)
+
+
 def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device) -> int:
     """Programs of ``kernel`` resident per SM, from its register count (sm_90: 64K registers,
     64 warps, 32 blocks per SM; registers are allocated per warp in units of 256) and its shared memory

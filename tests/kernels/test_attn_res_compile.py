@@ -69,6 +69,27 @@ _ALIGNED = ("src_ptrs", "grad_ptrs", "out_ptr", "grad_out_ptr", "grad_mix2_ptr",
             "partial_g2_ptr", "partial_g_out_norm_ptr", "H")
 
 
+def _compile_preload(n, values_per_thread=None, maxnreg=None, out_ptr="*bf16", **changes):
+    """The preload backward compiled for sm_90 at h = 2048 with n sources, every source accumulated, the norm
+    fused, unpaired, pointers aligned as the launcher specialises them, the shipped layout (``fused``'s
+    constants) except for ``changes`` (constexprs) and ``values_per_thread``: (compiled kernel, its resources,
+    launch config)."""
+    import kernels.attn_res.fused as fused
+    from kernels._compile_check import compile_for, resources
+
+    cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS,
+                              values_per_thread or fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
+    signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * n, "grad_ptrs": ("*bf16",) * n, "out_ptr": out_ptr}
+    constexprs = {"N": n, "ACCUMULATE": (1 << n) - 1, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h,
+                  "NORM_OUT": True, "SUBSET": False, "PAIRED": 0, "HANDOFF": False, "OUT_NORM_GRAD": True,
+                  "RELOAD": fused.BACKWARD_RELOAD, "PIPELINE": fused.BACKWARD_PIPELINE,
+                  "STAGES": fused.BACKWARD_TILE_STAGES, "PACK": fused.BACKWARD_PACK_ROWS,
+                  "OLDS_AHEAD": fused.backward_old_grads_ahead(n), **changes}
+    compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
+                           aligned=_ALIGNED, maxnreg=maxnreg)
+    return compiled, resources(compiled), cfg
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
 @pytest.mark.parametrize("norm_out", [False, True], ids=["mix", "mix+rmsnorm"])
 @pytest.mark.parametrize("n, paired, subset", [(9, 0, False), (8, 8, False), (1, 0, True), (2, 1, False), (3, 0, False)])
@@ -83,22 +104,13 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     # 2.91 ms in the H200 model profile; 120 since the second call hands over its mix gradient, docs/attn_res.md);
     # more means the tile or the kept scalars grew.
     import kernels.attn_res.fused as fused
-    from kernels._compile_check import compile_for, resources
 
-    cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
-    signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * n, "grad_ptrs": ("*bf16",) * n}
-    if subset:  # a pair's second call: its output saved in fp32, its mix gradient handed on
-        signature["out_ptr"] = "*fp32"
-    constexprs = {"N": n, "ACCUMULATE": (1 << n) - 1 if not subset else 0, "BLOCK_T": cfg.block_t,
-                  "BLOCK_H": cfg.block_h, "NORM_OUT": norm_out, "SUBSET": subset, "PAIRED": paired,
-                  "HANDOFF": subset,
-                  "OUT_NORM_GRAD": norm_out, "RELOAD": fused.BACKWARD_RELOAD, "PIPELINE": fused.BACKWARD_PIPELINE,
-                  "STAGES": fused.BACKWARD_TILE_STAGES, "PACK": fused.BACKWARD_PACK_ROWS,
-                  "OLDS_AHEAD": min(fused.BACKWARD_OLD_GRADS_AHEAD or n, n)}
-    maxnreg = fused.BACKWARD_SUBSET_MAXNREG if subset else None  # as the launcher caps the own pass
-    compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
-                           aligned=_ALIGNED, maxnreg=maxnreg)
-    used = resources(compiled)
+    # a pair's second call (subset): its output saved in fp32, its mix gradient handed on, its own pass capped as
+    # the launcher caps it
+    _, used, cfg = _compile_preload(
+        n, maxnreg=fused.BACKWARD_SUBSET_MAXNREG if subset else None, out_ptr="*fp32" if subset else "*bf16",
+        ACCUMULATE=0 if subset else (1 << n) - 1, NORM_OUT=norm_out, OUT_NORM_GRAD=norm_out, SUBSET=subset,
+        PAIRED=paired, HANDOFF=subset)
     if subset:  # three programs per SM, without spills
         assert used.registers <= 168 and used.spill_stores == 0, used
     max_spill = 192 if paired >= 8 else 64
@@ -111,16 +123,7 @@ def test_widest_pair_fits_without_spills_with_four_old_grads_held():
     # fused.BACKWARD_OLD_GRADS_AHEAD = 4 (tools/sweep_attnres_kernels.py "bwd-olds4"): the widest pair (8 shared
     # blocks, all accumulated, the norm fused) holds 4 old grads instead of 8 and no longer spills (120 bytes
     # with all 8 held; Triton 3.8).
-    import kernels.attn_res.fused as fused
-    from kernels._compile_check import compile_for, resources
-
-    cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
-    signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * 8, "grad_ptrs": ("*bf16",) * 8}
-    constexprs = {"N": 8, "ACCUMULATE": 255, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h, "NORM_OUT": True,
-                  "SUBSET": False, "PAIRED": 8, "HANDOFF": False, "OUT_NORM_GRAD": True, "RELOAD": True,
-                  "PIPELINE": 1, "STAGES": None, "PACK": True, "OLDS_AHEAD": 4}
-    used = resources(compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs,
-                                 num_warps=cfg.num_warps, aligned=_ALIGNED))
+    _, used, _ = _compile_preload(8, PAIRED=8, RELOAD=True, PIPELINE=1, STAGES=None, PACK=True, OLDS_AHEAD=4)
     assert used.spill_stores == 0 and used.spill_loads == 0, used
 
 
@@ -149,17 +152,8 @@ def test_finish_kernel_compiles(parameter_grads):
 def test_preload_backward_variants_compile(values_per_thread, pipeline, stages, pack, max_spill):
     # The opt-in variants of tools/sweep_attnres_kernels.py (fused.BACKWARD_PIPELINE, BACKWARD_TILE_STAGES,
     # BACKWARD_PACK_ROWS) at the benchmark's widest call (n = 9, h = 2048, the norm, every source accumulated).
-    import kernels.attn_res.fused as fused
-    from kernels._compile_check import compile_for, resources
-
-    cfg = fused.launch_config(2048, fused.BACKWARD_TILE_ELEMENTS, values_per_thread)
-    signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * 9, "grad_ptrs": ("*bf16",) * 9}
-    constexprs = {"N": 9, "ACCUMULATE": (1 << 9) - 1, "BLOCK_T": cfg.block_t, "BLOCK_H": cfg.block_h, "NORM_OUT": True,
-                  "SUBSET": False, "PAIRED": 0, "HANDOFF": False, "OUT_NORM_GRAD": True, "RELOAD": True, "PIPELINE": pipeline,
-                  "STAGES": stages, "PACK": pack, "OLDS_AHEAD": 9}
-    compiled = compile_for(fused._depth_attention_bwd_preload_kernel, signature, constexprs, num_warps=cfg.num_warps,
-                           aligned=_ALIGNED)
-    used = resources(compiled)
+    compiled, used, _ = _compile_preload(9, values_per_thread, RELOAD=True, PIPELINE=pipeline, STAGES=stages,
+                                         PACK=pack, OLDS_AHEAD=9)
     assert used.spill_stores <= max_spill and used.spill_loads <= max_spill, used
     if stages:  # the tile's loads became asynchronous copies; one program's buffers fit an SM's 227 KB
         assert "cp.async" in compiled.asm["ptx"] and used.shared <= 227 * 1024, used

@@ -22,6 +22,7 @@ VARIANTS = {  # BACKWARD_PIPELINE bits: 1 old grads early, 2 the next tile's row
     "pipe3": {"BACKWARD_PIPELINE": 3},
     "pipe7-hold": {"BACKWARD_PIPELINE": 7, "BACKWARD_RELOAD": False},
     "pipe1-olds2": {"BACKWARD_PIPELINE": 1, "BACKWARD_OLD_GRADS_AHEAD": 2},  # a window of 2 old grads held
+    "pipe1-olds0": {"BACKWARD_PIPELINE": 1, "BACKWARD_OLD_GRADS_AHEAD": 0},  # each loaded next to its store
     "stages2": {"BACKWARD_TILE_STAGES": 2},
 }
 PACKED = {  # the int32-pair loads only change 2-byte rows (test_packed_rows_equal_default_in_16_bit)
