@@ -45,8 +45,9 @@ _UNPACKED_BACKWARD = {"BACKWARD_PIPELINE": 0, "BACKWARD_PACK_ROWS": False}
 _OLD_FORWARD = {**_UNPACKED_FORWARD, "FORWARD_VALUES_PER_THREAD": 8, "FORWARD_PRELOAD": False}  # 8 warps, 48 registers
 _OLD_BACKWARD = {**_UNPACKED_BACKWARD, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 4,  # 16 warps, 128 registers
                  "BACKWARD_RELOAD": False}
-CONFIGS = [
-    ("default", {}),
+# Row sums one source at a time: every config below measured before 2026-12-02 21:30 keeps its meaning with it.
+_ONE_SOURCE_PER_REDUCTION = {"FORWARD_SOURCES_PER_REDUCTION": 1, "BACKWARD_SOURCES_PER_REDUCTION": 1}
+_EARLIER_CONFIGS = [
     ("unpacked", {**_UNPACKED_FORWARD, **_UNPACKED_BACKWARD}),  # the defaults 2026-12-01 to 2026-12-02
     ("fwd-unpacked", _UNPACKED_FORWARD),
     ("bwd-unpacked", _UNPACKED_BACKWARD),
@@ -106,11 +107,19 @@ CONFIGS = [
     # three per SM, 62 us a call on the H200): uncapped 167 offline but two per SM on the H200, 74 us; 128: 32 bytes
     # spilled, four per SM, 58 us (docs/attn_res.md, "The second call's mix gradient handed over")
     ("bwd-subset-uncapped", {"BACKWARD_SUBSET_MAXNREG": None}),
-    # at most 4 / 6 old grads held, the rest loaded that many sources ahead in the grad pass: the widest pair
-    # 255, 0 | 255, 40 spill bytes (default 120); not yet measured on the H200
-    ("bwd-olds4", {"BACKWARD_OLD_GRADS_AHEAD": 4}),
-    ("bwd-olds6", {"BACKWARD_OLD_GRADS_AHEAD": 6}),
     ("bwd-subset-128", {"BACKWARD_SUBSET_MAXNREG": 128}),
+]
+CONFIGS = [
+    ("default", {}),
+    *[(name, {**_ONE_SOURCE_PER_REDUCTION, **changes}) for name, changes in _EARLIER_CONFIGS],
+    ("batch1", _ONE_SOURCE_PER_REDUCTION),  # the default before 2026-12-02 21:30
+    # the row sums of 2 / 4 sources in one reduction, for every call (the default picks by the call's width;
+    # fused.py). ptxas sm_90, Triton 3.8, n = 9 with the norm: forward 128 | 128 | 168 registers at 1 | 2 | 4, no
+    # spills; the widest pair 255 registers, spills 120 | 24 | 44 bytes
+    ("fwd-batch2", {"FORWARD_SOURCES_PER_REDUCTION": 2}),
+    ("fwd-batch4", {"FORWARD_SOURCES_PER_REDUCTION": 4}),
+    ("bwd-batch2", {"BACKWARD_SOURCES_PER_REDUCTION": 2}),
+    ("bwd-batch4", {"BACKWARD_SOURCES_PER_REDUCTION": 4}),
 ]
 KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",
            "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}

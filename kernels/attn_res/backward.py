@@ -106,7 +106,8 @@ def fused_depth_attention_backward_sums(
                       SUBSET=subset, PAIRED=0 if paired is None else paired.count, HANDOFF=handoff is not None,
                       OUT_NORM_GRAD=norm_out and need_out_norm_weight, RELOAD=fused.BACKWARD_RELOAD,
                       PIPELINE=fused.BACKWARD_PIPELINE, STAGES=fused.BACKWARD_TILE_STAGES,
-                      OLDS_AHEAD=fused.backward_old_grads_ahead(n),
+                      BATCH=1 if handoff is not None else fused.sources_per_reduction(
+                          fused.BACKWARD_SOURCES_PER_REDUCTION, n),
                       PACK=fused.BACKWARD_PACK_ROWS and fused._packable(
                           H, sources, grad_sources, out, grad_out, None if paired is None else paired.grad_mix))
     else:

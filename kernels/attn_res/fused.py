@@ -118,6 +118,12 @@ FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one 
 # 166 registers packed 128).
 FORWARD_PACK_ROWS = True
 FORWARD_NEXT_TILE = 0
+# Sources whose row sums share one reduction (1, 2 or 4; fwd_kernel's BATCH), by the call's source count n: {from n:
+# sources} (sources_per_reduction), or an int for every n. One cross-warp exchange and barrier for that many sources
+# instead of one each: a program's per-token chain is latency-bound. H200 sweep (docs/attn_res.md, "Several sources
+# per reduction"): the step's 17 forward calls 1.402 -> 1.258 ms at 4 (1.299 at 2); 4 costs registers (168 at n >= 8,
+# three programs per SM instead of four) but no call width gained from 2 consistently.
+FORWARD_SOURCES_PER_REDUCTION: int | dict[int, int] = 4
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
 BACKWARD_NORM_VALUES_PER_THREAD = 4  # backward with the fused output norm (backward_launch_config)
@@ -139,10 +145,11 @@ BACKWARD_RELOAD = True
 # step's 17 backward calls 3.63 -> 3.01 ms in the H200 sweep, 3.32 -> 2.91 ms in the model's profile (docs/attn_res.md,
 # "Layout variants").
 BACKWARD_PIPELINE = 1
-# With BACKWARD_PIPELINE bit 1: at most this many old grads held in registers at once, the rest loaded in the grad
-# pass that many sources ahead of their stores; None: all after their reductions (the default). ptxas sm_90 (Triton
-# 3.8), the widest pair (m = 8): 4 takes its spills from 120 bytes to none; not measured on a GPU yet.
-BACKWARD_OLD_GRADS_AHEAD: int | None = None
+# Preload kernel: sources whose row sums share one reduction, as FORWARD_SOURCES_PER_REDUCTION (1 in a pair's own pass,
+# whose c shares source 0's reduction). H200 sweep, per call: 2 slowed the pair with 2 shared blocks (117 -> 125 us)
+# and beat 4 at 3 and 4 sources, 4 won from 5 up (the widest pair 505 -> 325 us): the step's 17 backward calls
+# 2.630 -> 2.299 ms with this table (2.382 with 2 for every n, 2.325 with 4).
+BACKWARD_SOURCES_PER_REDUCTION: int | dict[int, int] = {1: 1, 3: 2, 5: 4}
 # Preload kernel's tile loop as tl.range(num_stages=...) (Triton pipelines the loads as cp.async into shared
 # memory: ~140 KB at n = 9, h = 2048 with 2 stages, so one program per SM; 3 stages do not fit); None: off.
 BACKWARD_TILE_STAGES: int | None = None
@@ -160,10 +167,13 @@ _resident_programs: dict = {}
 _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
 
 
-def backward_old_grads_ahead(n: int) -> int:
-    """The preload kernel's ``OLDS_AHEAD`` for n sources: ``BACKWARD_OLD_GRADS_AHEAD`` (0: every old grad loaded
-    next to its store), at most n; n where it is None (all held from their reductions)."""
-    return n if BACKWARD_OLD_GRADS_AHEAD is None else min(BACKWARD_OLD_GRADS_AHEAD, n)
+def sources_per_reduction(setting: int | dict[int, int], n: int) -> int:
+    """The sources per row reduction of a call with n sources: ``setting`` (``FORWARD_SOURCES_PER_REDUCTION`` or
+    ``BACKWARD_SOURCES_PER_REDUCTION``) itself, or its entry with the largest key <= n."""
+    value = setting if isinstance(setting, int) else setting[max((k for k in setting if k <= n), default=min(setting))]
+    if value not in (1, 2, 4):
+        raise ValueError(f"sources per reduction must be 1, 2 or 4, got {value} (from {setting!r})")
+    return value
 
 
 def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device) -> int:
@@ -236,7 +246,9 @@ def fused_depth_attention_forward(
             T, H, eps, out_norm_eps)
     kwargs = dict(N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, FUSE_REDUCTIONS=FORWARD_FUSE_REDUCTIONS,
                   NORM_OUT=norm_out, PRELOAD=FORWARD_PRELOAD, PACK=FORWARD_PACK_ROWS and _packable(H, sources),
-                  NEXT_TILE=FORWARD_NEXT_TILE)
+                  NEXT_TILE=FORWARD_NEXT_TILE,
+                  BATCH=sources_per_reduction(FORWARD_SOURCES_PER_REDUCTION, len(sources))
+                  if (FORWARD_PRELOAD or FORWARD_NEXT_TILE) else 1)
     grid = (tiles,)
     if FORWARD_NEXT_TILE:  # persistent: one wave of programs, each walking tiles pid, pid + programs, ...
         grid = (max(1, min(tiles, _one_wave(out.device, _depth_attention_fwd_kernel, args, kwargs, cfg.num_warps))),)

@@ -4,8 +4,17 @@ byte count are in ``fused.py``'s module docstring, the layout constants ``FORWAR
 import triton
 import triton.language as tl
 
-from kernels.attn_res.reductions import row_sums2
+from kernels.attn_res.reductions import batch_row_sums, row_sums2
 from kernels.attn_res.rows import _load_rows, _rows_f32, _tile_offsets
+
+
+@triton.jit
+def _logit_products(context, i: tl.constexpr, BLOCK_H: tl.constexpr, PACK: tl.constexpr):
+    """``v . v`` and ``v . u`` of source i before their row sums (``context``: the rows as loaded, the source
+    pointers, ``u``)."""
+    vs, src_ptrs, u = context
+    v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
+    return v * v, v * u[None, :]
 
 
 @triton.jit
@@ -13,7 +22,7 @@ def _mix_tile(
     src_ptrs, vs, tile_at, following, u, cols, col_mask, out_ptr, lse_ptr, out_norm_weight_ptr, normed_ptr,
     out_rstd_ptr, H, eps, out_norm_eps,
     N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FUSE_REDUCTIONS: tl.constexpr,
-    NORM_OUT: tl.constexpr, PRELOAD: tl.constexpr, PACK: tl.constexpr, NEXT_TILE: tl.constexpr,
+    NORM_OUT: tl.constexpr, PRELOAD: tl.constexpr, PACK: tl.constexpr, NEXT_TILE: tl.constexpr, BATCH: tl.constexpr,
 ):
     """One token tile of the forward: the mix of its rows (``vs``: as loaded, where ``PRELOAD`` or ``NEXT_TILE``),
     stored with its lse (and the fused norm). Returns the rows of tile ``following`` where ``NEXT_TILE`` is 1
@@ -30,7 +39,11 @@ def _mix_tile(
             v = _rows_f32(_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK), src_ptrs[i], BLOCK_H, PACK)
         if NEXT_TILE == 1:
             next_vs = next_vs + (_load_rows(src_ptrs[i], following, H, BLOCK_H, PACK),)
-        if FUSE_REDUCTIONS:
+        if BATCH > 1:  # (rows held: PRELOAD or NEXT_TILE) one reduction for sources i .. i + BATCH - 1
+            if i % BATCH == 0:
+                batch = batch_row_sums(_logit_products, (vs, src_ptrs, u), i, N, BATCH, BLOCK_H, PACK)
+            square_sum, vu = batch[0][i % BATCH], batch[1][i % BATCH]
+        elif FUSE_REDUCTIONS:
             square_sum, vu = row_sums2(v * v, v * u[None, :])
         else:
             square_sum = tl.sum(v * v, axis=1)
@@ -60,14 +73,16 @@ def _depth_attention_fwd_kernel(
     src_ptrs, query_ptr, norm_weight_ptr, out_ptr, lse_ptr, out_norm_weight_ptr, normed_ptr, out_rstd_ptr,
     T, H, eps, out_norm_eps,
     N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FUSE_REDUCTIONS: tl.constexpr,
-    NORM_OUT: tl.constexpr, PRELOAD: tl.constexpr, PACK: tl.constexpr, NEXT_TILE: tl.constexpr,
+    NORM_OUT: tl.constexpr, PRELOAD: tl.constexpr, PACK: tl.constexpr, NEXT_TILE: tl.constexpr, BATCH: tl.constexpr,
 ):
     """One program per token tile (``NEXT_TILE`` 0), or a persistent grid whose programs walk the tiles
     (``tile = pid, pid + programs, ...``) with the next tile's rows in flight while this tile is mixed:
     ``NEXT_TILE`` 1, source i's after this tile's source i is unpacked; 2, all n at the top of the tile (twice
     the rows in registers). ``PRELOAD``: the n loads issued before the first row reduction (implied by
     ``NEXT_TILE``). ``PACK`` (``FORWARD_PACK_ROWS``): the sources' 2-byte rows loaded and held as int32 pairs,
-    unpacked at use (``rows._load_rows``): the same values, so the same results bit for bit."""
+    unpacked at use (``rows._load_rows``): the same values, so the same results bit for bit. ``BATCH`` (1, 2 or 4;
+    more than 1 needs the rows held: ``PRELOAD`` or ``NEXT_TILE``): the row sums of that many sources in one
+    reduction (``reductions.stack_rows``), one cross-warp exchange instead of BATCH."""
     if NEXT_TILE == 0:
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_mask = rows < T
@@ -89,7 +104,7 @@ def _depth_attention_fwd_kernel(
                 vs = vs + (_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK),)
         _mix_tile(src_ptrs, vs, tile_at, tile_at, u, cols, col_mask, out_ptr, lse_ptr, out_norm_weight_ptr,
                   normed_ptr, out_rstd_ptr, H, eps, out_norm_eps, N, BLOCK_T, BLOCK_H, FUSE_REDUCTIONS, NORM_OUT,
-                  PRELOAD, PACK, NEXT_TILE)
+                  PRELOAD, PACK, NEXT_TILE, BATCH)
     else:
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
@@ -111,7 +126,7 @@ def _depth_attention_fwd_kernel(
             u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             loaded = _mix_tile(src_ptrs, vs, tile_at, following, u, cols, col_mask, out_ptr, lse_ptr,
                                out_norm_weight_ptr, normed_ptr, out_rstd_ptr, H, eps, out_norm_eps, N, BLOCK_T,
-                               BLOCK_H, FUSE_REDUCTIONS, NORM_OUT, PRELOAD, PACK, NEXT_TILE)
+                               BLOCK_H, FUSE_REDUCTIONS, NORM_OUT, PRELOAD, PACK, NEXT_TILE, BATCH)
             if NEXT_TILE == 1:
                 vs = loaded
             else:

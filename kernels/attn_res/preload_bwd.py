@@ -15,7 +15,7 @@ streaming kernel's (module docstring of ``fused.py``).
 import triton
 import triton.language as tl
 
-from kernels.attn_res.reductions import row_sums3, row_sums4, row_sums5
+from kernels.attn_res.reductions import batch_row_sums, row_sums3, row_sums4, row_sums5
 from kernels.attn_res.rows import _load_rows, _rows_f32, _tile_offsets
 
 
@@ -33,6 +33,23 @@ def _mix_output_grad(dy, out, out_rstd, gamma_out, H, out_norm_eps, NORM_OUT: tl
         dout = dy
         c = tl.sum(dy * out, axis=1)
     return dout, c
+
+
+@triton.jit
+def _softmax_products(context, i: tl.constexpr, BLOCK_H: tl.constexpr, PACK: tl.constexpr):
+    """Source i's products before their row sums: ``v . v``, ``v . u``, ``dout . v`` (``context``: the rows as
+    loaded, the source pointers, ``u``, ``dout``)."""
+    vs, src_ptrs, u, dout = context
+    v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
+    return v * v, v * u[None, :], v * dout
+
+
+@triton.jit
+def _paired_softmax_products(context, i: tl.constexpr, BLOCK_H: tl.constexpr, PACK: tl.constexpr):
+    """``_softmax_products`` and the paired call's ``v . u2``, ``dout2 . v`` (``context`` also ``u2``, ``dout2``)."""
+    vs, src_ptrs, u, dout, u2, dout2 = context
+    v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
+    return v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2
 
 
 @triton.jit
@@ -61,7 +78,7 @@ def _depth_attention_bwd_preload_kernel(
     NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, HANDOFF: tl.constexpr,
     OUT_NORM_GRAD: tl.constexpr,
     RELOAD: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, PACK: tl.constexpr,
-    OLDS_AHEAD: tl.constexpr,
+    BATCH: tl.constexpr,
 ):
     """The backward with the loads of a token tile issued before any store (``dy``, ``out``, the
     n sources, and without ``RELOAD`` the old grads being added to), kept in registers as loaded
@@ -94,9 +111,9 @@ def _depth_attention_bwd_preload_kernel(
     loop as ``tl.range(num_stages=STAGES)`` (Triton's software pipelining: the tile's loads become async copies
     into shared memory; None: off).
     ``PACK``: rows held across code (``dy``, ``out``, sources, old grads) as int32 pairs (``_load_rows``).
-    ``OLDS_AHEAD`` (with ``PIPELINE`` bit 1): at most that many old grads held at once: those of the first
-    OLDS_AHEAD sources are loaded after their reductions, each later one in the grad pass OLDS_AHEAD sources
-    ahead of its store (N: all after their reductions)."""
+    ``BATCH`` (1, 2 or 4; 1 with ``HANDOFF``): the row sums of that many sources in one reduction
+    (``reductions.batch_row_sums``), one cross-warp exchange instead of BATCH."""
+    tl.static_assert(BATCH == 1 or not HANDOFF, "the handoff's c is reduced with source 0's sums alone")
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_H)
@@ -156,7 +173,20 @@ def _depth_attention_bwd_preload_kernel(
         c_exact = tl.zeros([BLOCK_T], tl.float32)
         for i in tl.static_range(N):
             v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
-            if i < PAIRED:
+            if BATCH > 1:  # batches of BATCH sources within the paired ones and within the others
+                # (the positions written out: a constexpr assigned to a name becomes a runtime value)
+                if i < PAIRED:
+                    if i % BATCH == 0:
+                        batch = batch_row_sums(_paired_softmax_products, (vs, src_ptrs, u, dout, u2, dout2), i,
+                                               PAIRED, BATCH, BLOCK_H, PACK)
+                    square_sum, vu, da = batch[0][i % BATCH], batch[1][i % BATCH], batch[2][i % BATCH]
+                    vu2, da2 = batch[3][i % BATCH], batch[4][i % BATCH]
+                else:
+                    if (i - PAIRED) % BATCH == 0:
+                        batch = batch_row_sums(_softmax_products, (vs, src_ptrs, u, dout), i, N, BATCH, BLOCK_H, PACK)
+                    square_sum, vu, da = (batch[0][(i - PAIRED) % BATCH], batch[1][(i - PAIRED) % BATCH],
+                                          batch[2][(i - PAIRED) % BATCH])
+            elif i < PAIRED:
                 square_sum, vu, da, vu2, da2 = row_sums5(v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2)
             elif HANDOFF and i == 0:  # c of the rounded dout, in the same reduction (one barrier less)
                 square_sum, vu, da, c = row_sums4(v * v, v * u[None, :], v * dout, dout * out)
@@ -170,10 +200,10 @@ def _depth_attention_bwd_preload_kernel(
             if not SUBSET:
                 c_exact += tl.exp(vu * rstd - lse) * da
             if PIPELINE & 1:
-                if (ACCUMULATE >> i) & 1 and i < OLDS_AHEAD:
+                if (ACCUMULATE >> i) & 1:
                     olds = olds + (_load_rows(grad_ptrs[i], tile_at, H, BLOCK_H, PACK),)
                 else:
-                    olds = olds + (vs[i],)  # placeholder: loaded in the grad pass (or not accumulated)
+                    olds = olds + (vs[i],)  # placeholder: not accumulated
         if not SUBSET:
             # c = sum_i a_i (dout . v_i), the softmax backward's own sum, from the sources. dout . out
             # (above) takes out as stored, rounded to bf16: dlogit_i = a_i (dout . v_i - c) is a difference
@@ -212,13 +242,6 @@ def _depth_attention_bwd_preload_kernel(
                       + coef2[:, None] * u2[None, :] - scale_v[:, None] * v)
             else:
                 dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
-            if PIPELINE & 1 and i + OLDS_AHEAD < N and (ACCUMULATE >> (i + OLDS_AHEAD)) & 1:
-                # the window's next old grad, issued before this source's store
-                late_old = _load_rows(grad_ptrs[i + OLDS_AHEAD], tile_at, H, BLOCK_H, PACK)
-                window = ()
-                for k in tl.static_range(N):
-                    window = window + (late_old if k == i + OLDS_AHEAD else olds[k],)
-                olds = window
             if (ACCUMULATE >> i) & 1:
                 if RELOAD and not PIPELINE & 1:
                     dv += tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)

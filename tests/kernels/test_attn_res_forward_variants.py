@@ -23,6 +23,11 @@ VARIANTS = {  # the code paths of tools/sweep_attnres_kernels.py's "fwd-pack*" /
     "next1-pack": {"FORWARD_NEXT_TILE": 1, "FORWARD_PACK_ROWS": True},
     "next2": {"FORWARD_NEXT_TILE": 2},
     "next2-pack": {"FORWARD_NEXT_TILE": 2, "FORWARD_PACK_ROWS": True},
+    # the row sums of 1 / 2 / 4 sources in one reduction for every call (the default picks by the call's width)
+    "batch1": {"FORWARD_SOURCES_PER_REDUCTION": 1},
+    "batch2": {"FORWARD_SOURCES_PER_REDUCTION": 2},
+    "batch4": {"FORWARD_SOURCES_PER_REDUCTION": 4},
+    "next1-batch2": {"FORWARD_NEXT_TILE": 1, "FORWARD_SOURCES_PER_REDUCTION": 2},
 }
 # (n, tokens, tokens per tile): 1 row per tile as at h = 2048 (two persistent programs: 3 and 2 tiles), fewer
 # tiles than programs, 2 rows per tile with a partial last tile (the "2rows" layouts)
@@ -94,7 +99,10 @@ def test_forward_variant_equals_default_and_reference_fp32(variant, norm):
             assert (a is None) == (b is None) == (r is None) == (not norm and name in ("normed", "out_rstd"))
             if a is not None:
                 what = f"n={n} T={tokens} rows/tile={rows_per_tile} {name}"
-                assert torch.equal(a, b), f"{what} vs default"  # the same maths per tile, wherever it runs
+                if "batch" in variant:  # the same sums, added in another order (several sources' at once)
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=f"{what} vs default")
+                else:
+                    assert torch.equal(a, b), f"{what} vs default"  # the same maths per tile, wherever it runs
                 torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5, msg=f"{what} vs reference")
 
 

@@ -159,7 +159,7 @@ def test_bf16_layer_block_grads_match_fp32(monkeypatch, kernel, paired, num_bloc
         assert _rel(got[i], want[i]) <= bound, f"block {i}: {_rel(got[i], want[i]):.3e} > {bound:.3e}"
 
 
-@pytest.mark.parametrize("kernel_layout", ["default", "unpacked", "bwd-olds4"])
+@pytest.mark.parametrize("kernel_layout", ["default", "unpacked", "batch1", "bwd-batch2", "bwd-batch4"])
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("num_blocks", [1, 8])
 def test_bf16_preload_every_grad_as_precise_as_torch_bf16(monkeypatch, num_blocks, paired, kernel_layout):
@@ -207,9 +207,10 @@ def test_finish_kernel_parameter_grads_bit_identical_to_torch_products(param_dty
 @pytest.mark.parametrize("norm", [False, True], ids=["mix", "mix+rmsnorm"])
 @pytest.mark.parametrize("n", [2, 9])
 def test_bf16_forward_variants_match_default_and_fp32_reference(n, norm):
-    # tools/sweep_attnres_kernels.py's forward opt-ins (fused.FORWARD_PACK_ROWS, FORWARD_NEXT_TILE; interpreter
-    # checks in test_attn_res_forward_variants.py): packed rows give the default's numbers bit for bit; the other
-    # layouts reduce a row in another order, so they are held to the fp32 reference like the default.
+    # tools/sweep_attnres_kernels.py's forward layouts (fused.FORWARD_PACK_ROWS, FORWARD_NEXT_TILE,
+    # FORWARD_SOURCES_PER_REDUCTION; interpreter checks in test_attn_res_forward_variants.py): packed rows give the
+    # unpacked rows' numbers bit for bit; the other layouts reduce a row in another order, so they are held to the
+    # fp32 reference like the default.
     import kernels.attn_res.fused as fused
     from kernels.attn_res.naive import rms_norm_reference
     from tools.sweep_attnres_kernels import CONFIGS, layout
@@ -219,15 +220,16 @@ def test_bf16_forward_variants_match_default_and_fp32_reference(n, norm):
     srcs = list(sources.unbind(0))
     default = fused.fused_depth_attention_forward(srcs, query, norm_weight, 1e-6, gamma_o, 1e-5)
     ref = depth_attention_reference(sources.float(), query, norm_weight)
+    results = {}
     for name, changes in CONFIGS:
-        if not any(key.startswith("FORWARD_PACK") or key.startswith("FORWARD_NEXT") for key in changes):
-            continue
+        if not any(key.startswith("FORWARD") and getattr(fused, key) != value for key, value in changes.items()):
+            continue  # the default forward
         with layout(changes):
-            got = fused.fused_depth_attention_forward(srcs, query, norm_weight, 1e-6, gamma_o, 1e-5)
-        if changes == {"FORWARD_PACK_ROWS": True}:
-            assert all(a is None or torch.equal(a, b) for a, b in zip(got, default)), name
+            got = results[name] = fused.fused_depth_attention_forward(srcs, query, norm_weight, 1e-6, gamma_o, 1e-5)
         _assert_relative_close(got[0], ref, 1e-2, f"{name} out")
         torch.testing.assert_close(got[1], default[1], rtol=1e-5, atol=1e-5, msg=f"{name} lse")
         if norm:
             _assert_relative_close(got[2], rms_norm_reference(ref, gamma_o.float(), 1e-5), 1e-2, f"{name} normed")
             torch.testing.assert_close(got[3], default[3], rtol=1e-2, atol=0, msg=f"{name} out_rstd")
+    # packed rows are the unpacked rows' values: the same numbers bit for bit
+    assert all(a is None or torch.equal(a, b) for a, b in zip(results["fwd-pack"], results["fwd-unpacked"]))

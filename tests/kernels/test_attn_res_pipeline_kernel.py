@@ -21,9 +21,11 @@ VARIANTS = {  # BACKWARD_PIPELINE bits: 1 old grads early, 2 the next tile's row
     "pipe5": {"BACKWARD_PIPELINE": 5},
     "pipe3": {"BACKWARD_PIPELINE": 3},
     "pipe7-hold": {"BACKWARD_PIPELINE": 7, "BACKWARD_RELOAD": False},
-    "pipe1-olds2": {"BACKWARD_PIPELINE": 1, "BACKWARD_OLD_GRADS_AHEAD": 2},  # a window of 2 old grads held
-    "pipe1-olds0": {"BACKWARD_PIPELINE": 1, "BACKWARD_OLD_GRADS_AHEAD": 0},  # each loaded next to its store
     "stages2": {"BACKWARD_TILE_STAGES": 2},
+    # the row sums of 1 / 2 / 4 sources in one reduction for every call (the default picks by the call's width)
+    "batch1": {"BACKWARD_SOURCES_PER_REDUCTION": 1},
+    "batch2": {"BACKWARD_SOURCES_PER_REDUCTION": 2},
+    "batch4": {"BACKWARD_SOURCES_PER_REDUCTION": 4},
 }
 PACKED = {  # the int32-pair loads only change 2-byte rows (test_packed_rows_equal_default_in_16_bit)
     "pack": {"BACKWARD_PACK_ROWS": True},
@@ -118,20 +120,22 @@ def test_variant_equals_default_and_reference(variant, norm):
         fused.BACKWARD_TILE_ELEMENTS = saved
 
 
-def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32):
+def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32, extra=0):
     """A pair as pair.py runs it: the second call's own source (a subset pass over its lse), then the first
     call with the second's grads over the shared sources (accumulated into; the own source's grad written).
-    Returns (grads, g, g_out_norm, g2, g_out_norm2) and the two calls' inputs, and the old grads."""
+    ``extra``: the first call has that many sources of its own after the shared ones (the model's pairs have
+    none; the kernel takes them). Returns (grads, g, g_out_norm, g2, g_out_norm2) and the two calls' inputs, and
+    the old grads."""
     from kernels.attn_res import backward
 
-    gen = torch.Generator().manual_seed(100 * shared + 10 * tokens + norm)
-    sources, query, gamma, gamma_o, dy = _call(gen, shared, tokens, norm, dtype)
+    gen = torch.Generator().manual_seed(100 * shared + 10 * tokens + norm + 1000 * extra)
+    sources, query, gamma, gamma_o, dy = _call(gen, shared + extra, tokens, norm, dtype)
     own = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
-    sources2, query2, gamma2, gamma_o2, dy2 = sources + [own], *_call(gen, 0, tokens, norm, dtype)[1:]
+    sources2, query2, gamma2, gamma_o2, dy2 = sources[:shared] + [own], *_call(gen, 0, tokens, norm, dtype)[1:]
     out, lse, rstd = _forward(fused, sources, query, gamma, gamma_o)
     out2, lse2, rstd2 = _forward(fused, sources2, query2, gamma2, gamma_o2)
     out2 = out2.float()  # the second call of a pair saves its output in fp32 (function.py, out_dtype)
-    olds = [torch.randn(tokens, HIDDEN, generator=gen).to(dtype) for _ in range(shared)]
+    olds = [torch.randn(tokens, HIDDEN, generator=gen).to(dtype) for _ in range(shared + extra)]
     norm_kwargs = dict(out_norm_eps=OUT_NORM_EPS, need_out_norm_weight=norm)
     handoff = torch.empty_like(dy2), torch.empty_like(lse2)
     own_grad, own_sums = _backward(fused, changes, [own], query2, gamma2, EPS, out2, lse2, dy2, olds=[own],
@@ -139,33 +143,37 @@ def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32):
                                    handoff=handoff, **norm_kwargs)
     pair = backward.PairedCall(shared, query2, gamma2, lse2, *handoff)
     grads, sums = _backward(fused, changes, sources, query, gamma, EPS, out, lse, dy, olds=olds,
-                            accumulate=[True] * shared, out_norm_weight=gamma_o, out_rstd=rstd, paired=pair,
+                            accumulate=[True] * (shared + extra), out_norm_weight=gamma_o, out_rstd=rstd, paired=pair,
                             **norm_kwargs)
     result = (grads + own_grad, sums.g, sums.g_out_norm, sums.g2 + own_sums.g, own_sums.g_out_norm)
     return result, (sources, query, gamma, gamma_o, dy), (sources2, query2, gamma2, gamma_o2, dy2), olds
 
 
 @interpreter_case
-@pytest.mark.parametrize("variant", ["pipe1", "pipe5", "pipe3", "pipe1-olds2"])
+@pytest.mark.parametrize("variant", ["pipe1", "pipe5", "pipe3", "batch1", "batch2", "batch4"])
 def test_paired_variant_equals_default_and_reference(variant, norm=True):
     # pair.py pairs calls with the fused norm only (the second call's c then comes from its fp32 output)
     import kernels.attn_res.fused as fused
 
     saved, fused.BACKWARD_TILE_ELEMENTS = fused.BACKWARD_TILE_ELEMENTS, 32
     try:
-        for shared, tokens in ((1, 6), (4, 7)):
-            got, inputs, inputs2, olds = _paired(fused, VARIANTS[variant], shared, tokens, norm)
-            if ("pair", shared, norm) not in _DEFAULTS:
-                _DEFAULTS["pair", shared, norm] = _paired(fused, {}, shared, tokens, norm)[0]
-            for k, (a, b) in enumerate(zip(got, _DEFAULTS["pair", shared, norm])):
+        # (shared, the first call's own sources, tokens): batches of 2 / 4 sources padded, exact, and across
+        # the shared sources' end
+        for shared, extra, tokens in ((1, 0, 6), (4, 0, 7), (3, 2, 5)):
+            got, inputs, inputs2, olds = _paired(fused, VARIANTS[variant], shared, tokens, norm, extra=extra)
+            key = ("pair", shared, extra, norm)
+            if key not in _DEFAULTS:
+                _DEFAULTS[key] = _paired(fused, {}, shared, tokens, norm, extra=extra)[0]
+            for k, (a, b) in enumerate(zip(got, _DEFAULTS[key])):
                 for j, (x, y) in enumerate(zip(a, b) if isinstance(a, list) else [(a, b)]):
                     assert (x is None) == (y is None)
                     if y is not None:
                         _close(x, y, f"shared={shared} result {k}.{j} vs default")
             ref, ref2 = _reference(*inputs), _reference(*inputs2)
-            for i in range(shared):
-                _close(got[0][i], olds[i] + ref[0][i] + ref2[0][i], f"shared={shared} grad {i} vs reference")
-            _close(got[0][shared], ref2[0][shared], f"shared={shared} own grad vs reference")
+            for i in range(shared + extra):
+                want = olds[i] + ref[0][i] + (ref2[0][i] if i < shared else 0)
+                _close(got[0][i], want, f"shared={shared} extra={extra} grad {i} vs reference")
+            _close(got[0][shared + extra], ref2[0][shared], f"shared={shared} own grad vs reference")
             _close(got[1] * inputs[2], ref[1], "query vs reference")  # dw = g gamma
             _close(got[3] * inputs2[2], ref2[1], "second query vs reference")
             if norm:
