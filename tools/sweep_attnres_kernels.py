@@ -45,8 +45,10 @@ _UNPACKED_BACKWARD = {"BACKWARD_PIPELINE": 0, "BACKWARD_PACK_ROWS": False}
 _OLD_FORWARD = {**_UNPACKED_FORWARD, "FORWARD_VALUES_PER_THREAD": 8, "FORWARD_PRELOAD": False}  # 8 warps, 48 registers
 _OLD_BACKWARD = {**_UNPACKED_BACKWARD, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 4,  # 16 warps, 128 registers
                  "BACKWARD_RELOAD": False}
-# Row sums one source at a time: every config below measured before 2026-12-02 21:30 keeps its meaning with it.
-_ONE_SOURCE_PER_REDUCTION = {"FORWARD_SOURCES_PER_REDUCTION": 1, "BACKWARD_SOURCES_PER_REDUCTION": 1}
+# Row sums one source at a time, the forward uncapped: every config below measured before 2026-12-02 21:30 keeps its
+# meaning with it.
+_ONE_SOURCE_PER_REDUCTION = {"FORWARD_SOURCES_PER_REDUCTION": 1, "BACKWARD_SOURCES_PER_REDUCTION": 1,
+                             "FORWARD_MAXNREG": None}
 _EARLIER_CONFIGS = [
     ("unpacked", {**_UNPACKED_FORWARD, **_UNPACKED_BACKWARD}),  # the defaults 2026-12-01 to 2026-12-02
     ("fwd-unpacked", _UNPACKED_FORWARD),
@@ -120,6 +122,10 @@ CONFIGS = [
     ("fwd-batch4", {"FORWARD_SOURCES_PER_REDUCTION": 4}),
     ("bwd-batch2", {"BACKWARD_SOURCES_PER_REDUCTION": 2}),
     ("bwd-batch4", {"BACKWARD_SOURCES_PER_REDUCTION": 4}),
+    # the forward capped at 128 registers for every call / for none (the default: from 7 sources): four programs per
+    # SM at n = 8 (three uncapped), 96 bytes spilled at n = 9
+    ("fwd-cap128", {"FORWARD_MAXNREG": 128}),
+    ("fwd-uncapped", {"FORWARD_MAXNREG": None}),
 ]
 KERNELS = {"_depth_attention_fwd_kernel": "fwd", "_depth_attention_bwd_preload_kernel": "bwd",
            "_depth_attention_bwd_kernel": "bwd", "_depth_attention_finish_kernel": "finish"}

@@ -124,6 +124,11 @@ FORWARD_NEXT_TILE = 0
 # per reduction"): the step's 17 forward calls 1.402 -> 1.258 ms at 4 (1.299 at 2); 4 costs registers (168 at n >= 8,
 # three programs per SM instead of four) but no call width gained from 2 consistently.
 FORWARD_SOURCES_PER_REDUCTION: int | dict[int, int] = 4
+# A register cap for the forward (ptxas maxnreg; None: the compiler's choice), by width as above. H200 sweep, per call
+# (docs/attn_res.md): 128 took the calls with 7 to 9 sources 11-20% faster (four programs per SM instead of three;
+# offline, Triton 3.8, n = 9 spills 96 bytes, n = 8 none) and the narrower ones 0-10% slower: the step's 17 forward
+# calls 1.258 ms uncapped, 1.203 capped everywhere, 1.189 with this table.
+FORWARD_MAXNREG: int | None | dict[int, int | None] = {1: None, 7: 128}
 BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
 BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
 BACKWARD_NORM_VALUES_PER_THREAD = 4  # backward with the fused output norm (backward_launch_config)
@@ -167,10 +172,18 @@ _resident_programs: dict = {}
 _backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
 
 
+def for_width(setting, n: int):
+    """A per-call setting for a call with n sources: ``setting`` itself, or where it is a dict ``{from n: value}``
+    the value of its largest key <= n (its smallest key's below that)."""
+    if not isinstance(setting, dict):
+        return setting
+    return setting[max((k for k in setting if k <= n), default=min(setting))]
+
+
 def sources_per_reduction(setting: int | dict[int, int], n: int) -> int:
-    """The sources per row reduction of a call with n sources: ``setting`` (``FORWARD_SOURCES_PER_REDUCTION`` or
-    ``BACKWARD_SOURCES_PER_REDUCTION``) itself, or its entry with the largest key <= n."""
-    value = setting if isinstance(setting, int) else setting[max((k for k in setting if k <= n), default=min(setting))]
+    """The sources per row reduction of a call with n sources (``FORWARD_SOURCES_PER_REDUCTION`` or
+    ``BACKWARD_SOURCES_PER_REDUCTION``, :func:`for_width`): 1, 2 or 4."""
+    value = for_width(setting, n)
     if value not in (1, 2, 4):
         raise ValueError(f"sources per reduction must be 1, 2 or 4, got {value} (from {setting!r})")
     return value
@@ -249,6 +262,9 @@ def fused_depth_attention_forward(
                   NEXT_TILE=FORWARD_NEXT_TILE,
                   BATCH=sources_per_reduction(FORWARD_SOURCES_PER_REDUCTION, len(sources))
                   if (FORWARD_PRELOAD or FORWARD_NEXT_TILE) else 1)
+    maxnreg = for_width(FORWARD_MAXNREG, len(sources))
+    if maxnreg and out.device.type == "cuda":
+        kwargs["maxnreg"] = maxnreg  # a compile option
     grid = (tiles,)
     if FORWARD_NEXT_TILE:  # persistent: one wave of programs, each walking tiles pid, pid + programs, ...
         grid = (max(1, min(tiles, _one_wave(out.device, _depth_attention_fwd_kernel, args, kwargs, cfg.num_warps))),)

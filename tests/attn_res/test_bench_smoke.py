@@ -37,7 +37,8 @@ def test_bench_smoke_writes_json(tmp_path):
     assert len(rounds["attnres_unpaired"]) == 3 and result["attnres_unpaired_step_ms"] > 0
     layout = result["kernel_layouts"]["unpacked"]  # the AttnRes model under other kernel layouts
     assert layout["changes"] == {"FORWARD_PACK_ROWS": False, "BACKWARD_PIPELINE": 0, "BACKWARD_PACK_ROWS": False,
-                                 "FORWARD_SOURCES_PER_REDUCTION": 1, "BACKWARD_SOURCES_PER_REDUCTION": 1}
+                                 "FORWARD_SOURCES_PER_REDUCTION": 1, "BACKWARD_SOURCES_PER_REDUCTION": 1,
+                                 "FORWARD_MAXNREG": None}
     assert set(result["host_ms"]) >= {"standard", "attnres"} and layout["host_ms"] > 0
     assert len(layout["round_ms"]) == 3 and layout["step_ms"] > 0
     assert result["settings"]["attn_res_pair_backward"] is True  # HybridConfig's default

@@ -46,14 +46,17 @@ def test_kernels_compile_for_hopper_without_a_gpu(norm_out):
             signature = {**common, **extra}
             # aligned pointers and H as the launcher specialises them at h = 2048 (vectorised loads)
             aligned = [name for name in _ALIGNED + ("normed_ptr",) if name in signature] if hidden == 2048 else ()
-            compiled = compile_for(kernel, signature, constexprs, num_warps=cfg.num_warps, aligned=aligned)
+            forward = kernel is fused._depth_attention_fwd_kernel
+            maxnreg = fused.for_width(fused.FORWARD_MAXNREG, n) if forward else None  # as the launcher caps it
+            compiled = compile_for(kernel, signature, constexprs, num_warps=cfg.num_warps, aligned=aligned,
+                                   maxnreg=maxnreg)
             assert "cubin" in compiled.asm
             used = resources(compiled)
-            assert used.spill_stores == 0 and used.spill_loads == 0, (kernel.__name__, n, hidden, used)
-            if hidden == 2048:  # at least 12 warps per SM (forward: 3 programs of 4 warps where 4 sources share a
-                # reduction, else 4; streaming backward: 2 of 8 or 1 of 16)
-                wide_batch = kernel is fused._depth_attention_fwd_kernel and flags["BATCH"] == 4
-                assert used.registers <= (168 if wide_batch else 128), (kernel.__name__, n, hidden, used)
+            # the capped forward at n = 9 spills 96 bytes (Triton 3.8; 11-20% faster on the H200 all the same)
+            max_spill = 128 if maxnreg else 0
+            assert used.spill_stores <= max_spill and used.spill_loads <= max_spill, (kernel.__name__, n, hidden, used)
+            if hidden == 2048:  # at least 16 warps per SM (4 programs of 4 warps forward, 2 of 8 or 1 of 16 streaming)
+                assert used.registers <= 128, (kernel.__name__, n, hidden, used)
                 if norm_out and kernel is fused._depth_attention_bwd_kernel:
                     assert cfg.num_warps == 16 and used.registers <= 96, (cfg, used)
 

@@ -75,3 +75,17 @@ def test_stacked_row_sums_equal_one_source_per_reduction_bit_for_bit_on_the_gpu(
     torch.testing.assert_close(stacked[0], x.sum(-1), rtol=1e-5, atol=1e-3)
     for a, b in zip(stacked, one):
         assert torch.equal(a, b)
+
+
+def test_per_width_settings_pick_the_entry_of_the_call_width():
+    # fused.for_width: the launchers' per-call settings (sources per reduction, the forward's register cap) are a
+    # value for every call or {from n sources: value}.
+    import kernels.attn_res.fused as fused
+
+    table = {1: 1, 3: 2, 5: 4}
+    assert [fused.sources_per_reduction(table, n) for n in range(1, 10)] == [1, 1, 2, 2, 4, 4, 4, 4, 4]
+    assert fused.sources_per_reduction(2, 9) == 2
+    assert fused.for_width({3: 128}, 1) == 128  # below the smallest key: that key's value
+    assert [fused.for_width({1: None, 7: 128}, n) for n in (6, 7, 9)] == [None, 128, 128]
+    with pytest.raises(ValueError, match="1, 2 or 4"):
+        fused.sources_per_reduction({1: 3}, 5)
