@@ -82,7 +82,7 @@ def _depth_attention_fwd_kernel(
     ``NEXT_TILE``). ``PACK`` (``FORWARD_PACK_ROWS``): the sources' 2-byte rows loaded and held as int32 pairs,
     unpacked at use (``rows._load_rows``): the same values, so the same results bit for bit. ``BATCH`` (1, 2 or 4;
     more than 1 needs the rows held: ``PRELOAD`` or ``NEXT_TILE``): the row sums of that many sources in one
-    reduction (``reductions.stack_rows``), one cross-warp exchange instead of BATCH."""
+    reduction (``reductions.batch_row_sums``), one cross-warp exchange instead of BATCH."""
     if NEXT_TILE == 0:
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_mask = rows < T

@@ -100,7 +100,8 @@ def test_forward_variant_equals_default_and_reference_fp32(variant, norm):
             if a is not None:
                 what = f"n={n} T={tokens} rows/tile={rows_per_tile} {name}"
                 if "batch" in variant:  # the same sums, added in another order (several sources' at once)
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(), msg=f"{what} vs default")
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item(),
+                                               msg=f"{what} vs default")
                 else:
                     assert torch.equal(a, b), f"{what} vs default"  # the same maths per tile, wherever it runs
                 torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-5, msg=f"{what} vs reference")
