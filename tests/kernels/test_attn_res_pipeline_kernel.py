@@ -1,9 +1,9 @@
-"""The preload backward's opt-in pipelined variants (``fused.BACKWARD_PIPELINE``, ``fused.BACKWARD_TILE_STAGES``)
-on the CPU interpreter (fp32): every variant's source grads and sums equal the default kernel's and the plain
-autograd reference's, for n in {1, 4, 9}, with and without the fused output norm, accumulated into or not,
-unpaired and paired (with the second call's own-source ``subset`` pass), one token per tile as at h = 2048 on
-the GPU, so each program walks several tiles and its last prefetch falls past the end; token counts that are
-not a multiple of the tile, and fewer tiles than the interpreter's two programs.
+"""The preload backward's layouts (``fused.BACKWARD_PIPELINE``, ``fused.BACKWARD_TILE_STAGES``,
+``fused.BACKWARD_SOURCES_PER_REDUCTION``) on the CPU interpreter (fp32): every variant's source grads and sums equal
+the default kernel's and the plain autograd reference's, for n in {1, 4, 9}, with and without the fused output norm,
+accumulated into or not, unpaired and paired (with the second call's own-source ``subset`` pass), one token per tile
+as at h = 2048 on the GPU, so each program walks several tiles and its last prefetch falls past the end; token
+counts that are not a multiple of the tile, and fewer tiles than the interpreter's two programs.
 
 The cases run in a ``TRITON_INTERPRET=1`` subprocess started by ``test_cases_under_interpreter``.
 """
