@@ -47,7 +47,7 @@ _OLD_BACKWARD = {**_UNPACKED_BACKWARD, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 4, 
                  "BACKWARD_RELOAD": False}
 # Row sums one source at a time, the forward uncapped: every config below measured before 2026-12-02 21:30 keeps its
 # meaning with it.
-_ONE_SOURCE_PER_REDUCTION = {"FORWARD_SOURCES_PER_REDUCTION": 1, "BACKWARD_SOURCES_PER_REDUCTION": 1,
+_BEFORE_BATCHED_SUMS = {"FORWARD_SOURCES_PER_REDUCTION": 1, "BACKWARD_SOURCES_PER_REDUCTION": 1,
                              "FORWARD_MAXNREG": None}
 _EARLIER_CONFIGS = [
     ("unpacked", {**_UNPACKED_FORWARD, **_UNPACKED_BACKWARD}),  # the defaults 2026-12-01 to 2026-12-02
@@ -113,8 +113,8 @@ _EARLIER_CONFIGS = [
 ]
 CONFIGS = [
     ("default", {}),
-    *[(name, {**_ONE_SOURCE_PER_REDUCTION, **changes}) for name, changes in _EARLIER_CONFIGS],
-    ("batch1", _ONE_SOURCE_PER_REDUCTION),  # the default before 2026-12-02 21:30
+    *[(name, {**_BEFORE_BATCHED_SUMS, **changes}) for name, changes in _EARLIER_CONFIGS],
+    ("batch1", _BEFORE_BATCHED_SUMS),  # the default before 2026-12-02 21:30
     # the row sums of 2 / 4 sources in one reduction, for every call (the default picks by the call's width;
     # fused.py). ptxas sm_90, Triton 3.8, n = 9 with the norm: forward 128 | 128 | 168 registers at 1 | 2 | 4, no
     # spills; the widest pair 255 registers, spills 120 | 24 | 44 bytes

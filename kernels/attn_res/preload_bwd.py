@@ -15,7 +15,7 @@ streaming kernel's (module docstring of ``fused.py``).
 import triton
 import triton.language as tl
 
-from kernels.attn_res.reductions import batch_row_sums, row_sums3, row_sums4, row_sums5
+from kernels.attn_res.reductions import batch_row_sums, row_sums4
 from kernels.attn_res.rows import _load_rows, _rows_f32, _tile_offsets
 
 
@@ -172,27 +172,24 @@ def _depth_attention_bwd_preload_kernel(
         rstds, logits, das, logits2, das2 = (), (), (), (), ()
         c_exact = tl.zeros([BLOCK_T], tl.float32)
         for i in tl.static_range(N):
-            v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
-            if BATCH > 1:  # batches of BATCH sources within the paired ones and within the others
-                # (the positions written out: a constexpr assigned to a name becomes a runtime value)
-                if i < PAIRED:
-                    if i % BATCH == 0:
-                        batch = batch_row_sums(_paired_softmax_products, (vs, src_ptrs, u, dout, u2, dout2), i,
-                                               PAIRED, BATCH, BLOCK_H, PACK)
-                    square_sum, vu, da = batch[0][i % BATCH], batch[1][i % BATCH], batch[2][i % BATCH]
-                    vu2, da2 = batch[3][i % BATCH], batch[4][i % BATCH]
-                else:
-                    if (i - PAIRED) % BATCH == 0:
-                        batch = batch_row_sums(_softmax_products, (vs, src_ptrs, u, dout), i, N, BATCH, BLOCK_H, PACK)
-                    square_sum, vu, da = (batch[0][(i - PAIRED) % BATCH], batch[1][(i - PAIRED) % BATCH],
-                                          batch[2][(i - PAIRED) % BATCH])
-            elif i < PAIRED:
-                square_sum, vu, da, vu2, da2 = row_sums5(v * v, v * u[None, :], v * dout, v * u2[None, :], v * dout2)
-            elif HANDOFF and i == 0:  # c of the rounded dout, in the same reduction (one barrier less)
+            # the row sums of BATCH sources at a time (batch_row_sums; one with BATCH 1), counted within the
+            # paired sources and within the others (positions written out: a constexpr assigned to a name
+            # becomes a runtime value)
+            if HANDOFF and i == 0:  # c of the rounded dout, in the same reduction (one barrier less)
+                v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
                 square_sum, vu, da, c = row_sums4(v * v, v * u[None, :], v * dout, dout * out)
                 tl.store(handoff_c_ptr + rows, c, mask=row_mask)
+            elif i < PAIRED:
+                if i % BATCH == 0:
+                    batch = batch_row_sums(_paired_softmax_products, (vs, src_ptrs, u, dout, u2, dout2), i, PAIRED,
+                                           BATCH, BLOCK_H, PACK)
+                square_sum, vu, da = batch[0][i % BATCH], batch[1][i % BATCH], batch[2][i % BATCH]
+                vu2, da2 = batch[3][i % BATCH], batch[4][i % BATCH]
             else:
-                square_sum, vu, da = row_sums3(v * v, v * u[None, :], v * dout)
+                if (i - PAIRED) % BATCH == 0:
+                    batch = batch_row_sums(_softmax_products, (vs, src_ptrs, u, dout), i, N, BATCH, BLOCK_H, PACK)
+                square_sum, vu, da = (batch[0][(i - PAIRED) % BATCH], batch[1][(i - PAIRED) % BATCH],
+                                      batch[2][(i - PAIRED) % BATCH])
             rstd = tl.rsqrt(square_sum / H + eps)
             rstds, logits, das = rstds + (rstd,), logits + (vu * rstd,), das + (da,)
             if i < PAIRED:
