@@ -48,7 +48,7 @@ _OLD_BACKWARD = {**_UNPACKED_BACKWARD, "BACKWARD_PRELOAD_VALUES_PER_THREAD": 4, 
 # Row sums one source at a time, the forward uncapped: every config below measured before 2026-12-02 21:30 keeps its
 # meaning with it.
 _BEFORE_BATCHED_SUMS = {"FORWARD_SOURCES_PER_REDUCTION": 1, "BACKWARD_SOURCES_PER_REDUCTION": 1,
-                             "FORWARD_MAXNREG": None}
+                        "FORWARD_MAXNREG": None}
 _EARLIER_CONFIGS = [
     ("unpacked", {**_UNPACKED_FORWARD, **_UNPACKED_BACKWARD}),  # the defaults 2026-12-01 to 2026-12-02
     ("fwd-unpacked", _UNPACKED_FORWARD),
