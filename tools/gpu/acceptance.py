@@ -1,0 +1,318 @@
+"""The user's job on the GPU, through the public CLI and the shipped configs only (run by tools/gpu/acceptance.sh).
+
+Steps (``--steps``, comma-separated; each has its own time limit and records ``name``, ``passed`` and figures):
+
+* ``resume`` - ``configs/h200.yaml`` trains RESUME_ITERS iterations (run A); the same job saving every
+  SAVE_INTERVAL is SIGKILLed past iteration KILL_AFTER (run B) and resumed from its last checkpoint (run C). Run C's losses
+  must equal run A's. Run B's losses before the kill, against run A's, show whether training itself repeats bit
+  for bit on this GPU: when it does, the resume must be bitwise; when it does not, the resume may differ by no
+  more than the same two runs differ before the kill (times RUN_TO_RUN_SLACK, as differences grow over steps);
+* ``sigterm`` - the same job gets SIGTERM past KILL_AFTER, must save where it stands and exit 0, and the resume
+  must continue with run A's losses under the rule above;
+* ``balancers`` - each balancer trains BALANCER_ITERS iterations of ``configs/h200.yaml``: tokens/s (median of
+  the logged windows after the first), MaxVio, dropped and rerouted pairs;
+* ``tensorboard`` - run A's TensorBoard run holds the scalars, the per-rank histograms and the load heatmap;
+* ``gpu-tests`` / ``fla-test`` - ``pytest -m gpu`` over the suite without / with only fla's comparison test (fla
+  autotunes for minutes);
+* ``ep2`` - on two GPUs: run B's one-GPU checkpoint loads under EP2 and continues with run A's losses (bf16
+  rounding differs between layouts: within EP2_TOLERANCE).
+
+A checkpoint of this model with its optimizer state is ~46 GB (3.3B parameters: bf16 weights, fp32 main weights
+and two moments) and the H200 machine has 64 GB of disk, so the steps keep one checkpoint at a time.
+
+``python tools/gpu/acceptance.py merge A.json B.json --out C.json`` joins the JSON of two calls of one commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "h200.yaml"
+RESUME_ITERS, SAVE_INTERVAL, KILL_AFTER = 30, 10, 15
+BALANCERS = ("none", "aux_loss", "sign_bias", "qb_bias", "qb_capacity", "qb_both")
+BALANCER_ITERS, BALANCER_LOG_INTERVAL = 30, 5
+RUN_TO_RUN_SLACK = 4.0
+EP2_TOLERANCE = 2e-2  # relative: bf16 sums in another order over 10 steps
+COMMON = ["--lr-warmup-iters", "10", "--eval-iters", "0"]
+
+
+def train(run_dir: Path, *flags: str, nproc: int = 1, kill_after: int | None = None, sig=signal.SIGKILL,
+          timeout: float = 300) -> dict:
+    """launch/train.py under torchrun; with ``kill_after``, ``sig`` goes to the job once metrics.jsonl holds that
+    iteration. Returns the exit code, the wall time, the log's tail and {iteration: record} of the train records."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / "launch" / "train.py"), "--config", str(CONFIG), *COMMON,
+           "--metrics-dir", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"), *flags]
+    log = open(run_dir / "log.txt", "w")
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    signalled = False
+    while proc.poll() is None:
+        if time.monotonic() - start > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        if kill_after is not None and not signalled and max(records(run_dir), default=0) >= kill_after:
+            # SIGKILL: the whole process group, as a node failure would; SIGTERM: as SLURM sends it, to all.
+            os.killpg(proc.pid, sig)
+            signalled = True
+        time.sleep(0.2)
+    proc.wait()
+    log.close()
+    text = (run_dir / "log.txt").read_text()
+    return {"rc": proc.returncode, "seconds": round(time.monotonic() - start, 1), "tail": text[-3000:],
+            "records": records(run_dir)}
+
+
+def records(run_dir: Path) -> dict[int, dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if "lm_loss" in record and record.get("split") != "valid":
+            out[record["iteration"]] = record
+    return out
+
+
+def max_rel_diff(a: dict[int, dict], b: dict[int, dict], iterations) -> float:
+    return max(abs(a[i]["lm_loss"] - b[i]["lm_loss"]) / abs(a[i]["lm_loss"]) for i in iterations)
+
+
+def compare_resume(reference: dict, before: dict, resumed: dict, resumed_from: int) -> dict:
+    """Run C against run A after the resume, judged by how runs A and B differ before the interruption."""
+    pre = [i for i in range(1, resumed_from + 1) if i in before]
+    post = list(range(resumed_from + 1, RESUME_ITERS + 1))
+    if not pre or any(i not in resumed for i in post):
+        return {"passed": False, "why": f"missing iterations: before {sorted(before)}, resumed {sorted(resumed)}"}
+    run_to_run = max_rel_diff(reference, before, pre)
+    after = max_rel_diff(reference, resumed, post)
+    tolerance = RUN_TO_RUN_SLACK * run_to_run * len(post) / len(pre)
+    return {"passed": after <= tolerance, "resumed_from": resumed_from, "bitwise": after == 0.0,
+            "run_to_run_max_rel_diff": run_to_run, "resumed_max_rel_diff": after, "tolerance": tolerance,
+            "losses_reference": [reference[i]["lm_loss"] for i in post],
+            "losses_resumed": [resumed[i]["lm_loss"] for i in post]}
+
+
+def last_checkpoint(ckpt: Path) -> int:
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    return int(tracker.read_text()) if tracker.exists() else 0
+
+
+def disk_gb(path: Path) -> float:
+    return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9, 2)
+
+
+def step_resume(work: Path) -> dict:
+    a = train(work / "A", "--train-iters", str(RESUME_ITERS), "--save", "", "--log-interval", "1")
+    if a["rc"] != 0 or len(a["records"]) != RESUME_ITERS:
+        return {"passed": False, "why": "uninterrupted run failed", "tail": a["tail"]}
+    ckpt = work / "B" / "ckpt"
+    b = train(work / "B", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt),
+              "--save-interval", str(SAVE_INTERVAL), "--log-interval", "1", kill_after=KILL_AFTER)
+    saved = last_checkpoint(ckpt)
+    c = train(work / "C", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "", "--log-interval", "1")
+    if c["rc"] != 0:
+        return {"passed": False, "why": "resume failed", "tail": c["tail"]}
+    result = compare_resume(a["records"], b["records"], c["records"], saved)
+    return {**result, "killed_rc": b["rc"], "killed_at_iteration": max(b["records"], default=0),
+            "checkpoint_gb": disk_gb(ckpt), "tokens_per_sec_A": window_figures(a["records"])["tokens_per_sec"],
+            "seconds": {"A": a["seconds"], "B": b["seconds"], "C": c["seconds"]}}
+
+
+def step_sigterm(work: Path) -> dict:
+    reference = records(work / "A")
+    if len(reference) != RESUME_ITERS:
+        return {"passed": False, "why": "needs the resume step's run A in the same call"}
+    shutil.rmtree(work / "B" / "ckpt", ignore_errors=True)  # room for this step's checkpoint
+    ckpt = work / "T" / "ckpt"
+    t = train(work / "T", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt), "--save-interval", "100",
+              "--log-interval", "1", kill_after=KILL_AFTER, sig=signal.SIGTERM)
+    saved = last_checkpoint(ckpt)
+    if t["rc"] != 0 or saved < KILL_AFTER:
+        return {"passed": False, "why": f"SIGTERM: rc {t['rc']}, saved at {saved}", "tail": t["tail"]}
+    r = train(work / "T2", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "",
+              "--log-interval", "1")
+    shutil.rmtree(ckpt, ignore_errors=True)
+    if r["rc"] != 0:
+        return {"passed": False, "why": "resume after SIGTERM failed", "tail": r["tail"]}
+    result = compare_resume(reference, t["records"], r["records"], saved)
+    return {**result, "saved_at_iteration": saved, "seconds": {"T": t["seconds"], "T2": r["seconds"]}}
+
+
+def window_figures(recs: dict[int, dict]) -> dict:
+    logged = [recs[i] for i in sorted(recs)]
+    speeds = [r["tokens_per_sec"] for r in logged[1:]]  # the first window holds compilation and warm-up
+    last = logged[-1]
+    return {"tokens_per_sec": statistics.median(speeds) if speeds else None,
+            "maxvio_mean": last.get("moe/maxvio/mean"), "maxvio_max": last.get("moe/maxvio/max"),
+            "ep_load_factor_max": last.get("moe/ep_load_factor/max"),
+            "dropped": sum(r.get("moe/dropped", 0) for r in logged),
+            "rerouted": sum(r.get("moe/rerouted", 0) for r in logged),
+            "lm_loss_last": last["lm_loss"], "mfu_percent": last.get("mfu_percent")}
+
+
+def step_balancers(work: Path) -> dict:
+    rows, passed = {}, True
+    for balancer in BALANCERS:
+        run = train(work / f"bal-{balancer}", "--moe-balancer", balancer, "--train-iters", str(BALANCER_ITERS),
+                    "--log-interval", str(BALANCER_LOG_INTERVAL), "--save", "")
+        ok = run["rc"] == 0 and len(run["records"]) == BALANCER_ITERS // BALANCER_LOG_INTERVAL and all(
+            math.isfinite(r["lm_loss"]) for r in run["records"].values())
+        rows[balancer] = {"passed": ok, "seconds": run["seconds"],
+                          **(window_figures(run["records"]) if run["records"] else {"tail": run["tail"]})}
+        passed &= ok
+    return {"passed": passed, "iterations": BALANCER_ITERS, "rows": rows}
+
+
+def step_tensorboard(work: Path) -> dict:
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    tb = work / "A" / "tb"
+    if not tb.exists():
+        return {"passed": False, "why": "needs the resume step's run A in the same call"}
+    mux = EventMultiplexer().AddRunsFromDirectory(str(tb))
+    mux.Reload()
+    tags = {run: mux.GetAccumulator(run).Tags() for run in mux.Runs()}
+    scalars = {t for v in tags.values() for t in v.get("scalars", [])}
+    histograms = {t for v in tags.values() for t in v.get("histograms", [])}
+    images = {t for v in tags.values() for t in v.get("images", [])}
+    loss_points = sum(len(mux.GetAccumulator(run).Scalars("lm loss")) for run, v in tags.items()
+                      if "lm loss" in v.get("scalars", []))
+    checks = {"lm_loss_points": loss_points == RESUME_ITERS,
+              "moe_scalars": any(t.startswith("moe/maxvio") for t in scalars),
+              "per_rank_histograms": any(t.startswith("moe/tokens_per_expert/rank_") for t in histograms),
+              "heatmap": any("heatmap" in t for t in images)}
+    failed = [name for name, ok in checks.items() if not ok]
+    return {"passed": not failed, **({"why": f"missing: {', '.join(failed)}; "} if failed else {}), "checks": checks, "runs": sorted(tags), "scalar_tags": len(scalars),
+            "histogram_tags": len(histograms), "image_tags": sorted(images)}
+
+
+def pytest_step(*args: str, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *args]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+        tail, rc = (proc.stdout + proc.stderr)[-4000:], proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        tail, rc = str(exc.stdout or "")[-4000:], "timeout"
+    summary = [line for line in tail.splitlines() if " passed" in line or " failed" in line]
+    return {"passed": rc == 0, "rc": rc, "summary": summary[-1] if summary else None,
+            "seconds": round(time.monotonic() - start, 1), **({} if rc == 0 else {"tail": tail})}
+
+
+FLA_TEST = "tests/kernels/test_kda.py::test_bf16_on_gpu_matches_fla"
+
+
+def step_ep2(work: Path) -> dict:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        return {"passed": None, "skipped": "one GPU on this machine"}
+    reference, ckpt = records(work / "A"), work / "B" / "ckpt"
+    if len(reference) != RESUME_ITERS or not last_checkpoint(ckpt):
+        return {"passed": False, "why": "needs the resume step's runs A and B in the same call"}
+    resumed_from = last_checkpoint(ckpt)
+    run = train(work / "EP2", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "",
+                "--expert-model-parallel-size", "2", "--log-interval", "1", nproc=2)
+    post = range(resumed_from + 1, RESUME_ITERS + 1)
+    if run["rc"] != 0 or any(i not in run["records"] for i in post):
+        return {"passed": False, "why": "EP2 resume failed", "tail": run["tail"]}
+    diff = max_rel_diff(reference, run["records"], post)
+    return {"passed": diff <= EP2_TOLERANCE, "resumed_from": resumed_from, "max_rel_diff": diff,
+            "tolerance": EP2_TOLERANCE, "tokens_per_sec": window_figures(run["records"])["tokens_per_sec"]}
+
+
+STEPS = {
+    "resume": step_resume,
+    "sigterm": step_sigterm,
+    "balancers": step_balancers,
+    "tensorboard": step_tensorboard,
+    "gpu-tests": lambda work: pytest_step("tests", "--deselect", FLA_TEST, timeout=480),
+    "fla-test": lambda work: pytest_step(FLA_TEST, timeout=420),
+    "ep2": step_ep2,
+}
+
+
+def device() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+
+
+def summary_line(name: str, result: dict) -> str:
+    state = {True: "passed", False: "FAILED", None: "skipped"}[result.get("passed")]
+    figures = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k not in ("passed", "why")}
+    text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in list(figures.items())[:6])
+    return f"{name:<12} {state:<8} {result.get('why', '')}{text}"
+
+
+def run_steps(args) -> int:
+    out = Path(args.out)
+    work = Path(args.work)
+    report = {"commit": args.commit, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "device": device(), "config": str(CONFIG.relative_to(ROOT)), "steps": []}
+    for name in args.steps.split(","):
+        if name not in STEPS:
+            raise SystemExit(f"unknown step {name!r}; steps: {', '.join(STEPS)}")
+        print(f"=== {name} {time.strftime('%H:%M:%S')}", flush=True)
+        start = time.monotonic()
+        try:
+            result = STEPS[name](work)
+        except Exception as exc:  # a step's crash is its failure; the others still run
+            result = {"passed": False, "why": f"{type(exc).__name__}: {exc}"}
+        result = {"name": name, **result, "step_seconds": round(time.monotonic() - start, 1)}
+        report["steps"].append(result)
+        out.write_text(json.dumps(report, indent=1))  # after every step: nothing lost if the call is cut
+        print(summary_line(name, result), flush=True)
+    print("\n".join(summary_line(r["name"], r) for r in report["steps"]))
+    return 0 if all(r.get("passed") is not False for r in report["steps"]) else 1
+
+
+def merge(paths: list[str], out: str) -> int:
+    reports = [json.loads(Path(p).read_text()) for p in paths]
+    commits = {r["commit"] for r in reports}
+    if len(commits) != 1:
+        raise SystemExit(f"the calls ran different commits: {sorted(commits)}")
+    merged = {**reports[0], "steps": [], "calls": [{"date": r["date"], "device": r["device"],
+                                                   "steps": [s["name"] for s in r["steps"]]} for r in reports]}
+    for report in reports:
+        merged["steps"] = [s for s in merged["steps"] if s["name"] not in {t["name"] for t in report["steps"]}]
+        merged["steps"] += report["steps"]
+    Path(out).write_text(json.dumps(merged, indent=1) + "\n")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="*", help="with 'merge' first: the JSON files to join")
+    parser.add_argument("--steps", default="resume,ep2,tensorboard,sigterm,balancers,gpu-tests")
+    parser.add_argument("--out", default="acceptance-h200.json")
+    parser.add_argument("--work", default="/tmp/acceptance", help="run directories (checkpoints, logs)")
+    parser.add_argument("--commit", default=os.environ.get("ACCEPTANCE_COMMIT", "unknown"))
+    args = parser.parse_args()
+    if args.paths[:1] == ["merge"]:
+        return merge(args.paths[1:], args.out)
+    return run_steps(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
