@@ -11,8 +11,9 @@
 # Faults: when torchrun fails (a rank died), it is run again, at most MAX_RESTARTS times; with
 # --load = --save the run resumes from its newest checkpoint. SIGTERM / SIGINT sent to this script go
 # to the training processes only: they finish the step, save, and exit 0, and so does this script
-# (no restart). torchrun waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT (600) seconds for them when it is
-# signalled itself.
+# (no restart). When torchrun is signalled itself, or stops the others after a rank died, it waits
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT (300) seconds before it kills them: time to save, and the longest a
+# rank hung in a collective (its peer gone) holds up the restart.
 set -euo pipefail
 
 DRY_RUN=0
@@ -51,7 +52,7 @@ fi
 # Megatron's TP/SP overlap expects one connection per device; harmless elsewhere.
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 # torchrun's grace period for its workers after it is signalled itself (default 30 s): time to save.
-export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-600}"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-300}"
 
 CMD=("${PYTHON}" -m torch.distributed.run
      --nnodes "${NNODES}" --node-rank "${NODE_RANK}" --nproc-per-node "${GPUS_PER_NODE}"

@@ -1,44 +1,21 @@
 """The training job end to end (torchrun, gloo, CPU): exact resume and resharded loading."""
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SMALL = [
-    "--config", str(ROOT / "configs" / "tiny.yaml"),
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--log-interval", "1",
-    "--eval-iters", "0", "--tensorboard-dir", "",
-]
+from tests.training._job import ROOT, SMALL, train
 
 
-def train(tmp: Path, name: str, nproc: int, *flags: str) -> dict[int, float]:
-    """Run launch/train.py under torchrun; return {iteration: lm_loss} from metrics.jsonl."""
-    out = tmp / name
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        str(ROOT / "launch" / "train.py"), *SMALL, "--metrics-dir", str(out), *flags,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, lines) if "lm_loss" in r}
-
-
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(tmp_path, straight_run):
     ckpt = str(tmp_path / "ckpt")
-    straight = train(tmp_path, "straight", 2, "--train-iters", "6")
     train(tmp_path, "first_half", 2, "--train-iters", "3", "--save", ckpt, "--save-interval", "3")
     resumed = train(tmp_path, "resumed", 2, "--train-iters", "6", "--load", ckpt)
     assert sorted(resumed) == [4, 5, 6]
     for it in (4, 5, 6):
-        assert resumed[it] == straight[it], (it, resumed[it], straight[it])
+        assert resumed[it] == straight_run[it], (it, resumed[it], straight_run[it])
 
 
 def test_one_rank_checkpoint_loads_into_tp2_pp2_ep2(tmp_path):
