@@ -46,13 +46,13 @@ def rewind_metrics_jsonl(path: str, iteration: int) -> int:
 def rewind_tensorboard(log_dir: str, iteration: int, consumed_samples: int) -> int:
     """Drop the summary values of ``log_dir``'s event files (not its subdirectories) logged after
     ``iteration``; ``<tag> vs samples`` values count by ``consumed_samples``. Returns how many went."""
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
     from tensorboard.summary.writer.record_writer import RecordWriter
 
     dropped = 0
     for path in sorted(glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))):
         events, file_dropped = [], 0
-        for event in EventFileLoader(path).Load():
+        for event in LegacyEventFileLoader(path).Load():  # as written: no migration to tensors
             if event.HasField("summary"):
                 values = list(event.summary.value)
                 keep = [v for v in values
