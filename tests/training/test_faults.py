@@ -55,12 +55,16 @@ def _checkpoint_tensors(path: Path) -> dict:
 
 def test_a_nonfinite_step_is_not_applied_and_the_run_stops_before_saving_it(tmp_path):
     ckpt = tmp_path / "ckpt"
-    result = run_job(1, "--expert-model-parallel-size", "1", "--train-iters", "6", "--lr", "1e4", "--min-lr", "0",
-                     "--save", str(ckpt), "--save-interval", "3", "--max-skipped-nonfinite-steps", "2")
+    # Two pipeline stages: rank 0, which says it, holds no loss; the last stage shares it.
+    result = run_job(2, "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "1",
+                     "--train-iters", "6", "--lr", "1e4", "--min-lr", "0", "--save", str(ckpt), "--save-interval", "3",
+                     "--max-skipped-nonfinite-steps", "2")
     out = _output(result)
     assert result.returncode != 0, out[-4000:]
     skipped = [line for line in result.stdout.splitlines() if "the update was not applied" in line]
     assert [line.split(":")[0] for line in skipped] == ["> iteration 3", "> iteration 4", "> iteration 5"], out[-4000:]
+    losses = [float(line.split("lm loss ")[1].split(",")[0]) for line in skipped]
+    assert all(loss > 1e3 or not np.isfinite(loss) for loss in losses), skipped
     assert "error: iteration 5: lm loss" in result.stderr, out[-4000:]
     assert "stopping after 3 skipped step(s) (max_skipped_nonfinite_steps 2)" in result.stderr, out[-4000:]
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000003"]  # after a skipped step: no NaN
