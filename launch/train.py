@@ -75,12 +75,14 @@ def init_distributed() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    from megatron_ext.training.rendezvous import init_process_group  # survives torchrun's restarts
+
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
+        init_process_group("nccl")
     else:
         cpu_compat.install()
-        dist.init_process_group("gloo")
+        init_process_group("gloo")
 
 
 def log0(msg: str) -> None:

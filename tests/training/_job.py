@@ -15,10 +15,10 @@ SMALL = [
 ]
 
 
-def job_command(nproc: int, *flags: str) -> list[str]:
+def job_command(nproc: int, *flags: str, torchrun_flags: tuple[str, ...] = ()) -> list[str]:
     """launch/train.py with the small config and ``flags`` under torchrun with ``nproc`` processes."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            str(ROOT / "launch" / "train.py"), *SMALL, *flags]
+            *torchrun_flags, str(ROOT / "launch" / "train.py"), *SMALL, *flags]
 
 
 def launcher_job(nproc: int, port: int, *flags: str) -> tuple[list[str], dict[str, str]]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests._dist import free_port
-from tests.training._job import ROOT, SMALL, launcher_job, losses_of, run_job, train
+from tests.training._job import ROOT, SMALL, job_command, launcher_job, losses_of, run_job, train
 
 
 def _output(result) -> str:
@@ -200,19 +200,28 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def test_a_killed_rank_brings_the_job_back_through_the_launcher(tmp_path, straight_run):
+@pytest.mark.parametrize("restarter", ["torchrun.sh", "torchrun"])
+def test_a_killed_rank_brings_the_job_back(tmp_path, straight_run, restarter):
+    """torchrun.sh runs torchrun again (MAX_RESTARTS); torchrun's own --max-restarts restarts the workers,
+    whose process groups then need a key space of their own (megatron_ext.training.rendezvous)."""
     ckpt, metrics, log = tmp_path / "ckpt", tmp_path / "metrics", tmp_path / "job.log"
-    cmd, env = launcher_job(2, free_port(), "--train-iters", "6", "--save", str(ckpt), "--load", str(ckpt),
-                            "--save-interval", "2", "--metrics-dir", str(metrics))
-    proc = _start(cmd, {**env, "MAX_RESTARTS": "1"}, log)
+    flags = ("--train-iters", "6", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "2",
+             "--metrics-dir", str(metrics))
+    if restarter == "torchrun.sh":
+        cmd, env = launcher_job(2, free_port(), *flags)
+        proc = _start(cmd, {**env, "MAX_RESTARTS": "1"}, log)
+    else:
+        cmd = job_command(2, *flags, torchrun_flags=("--max-restarts=1",))
+        proc = _start(cmd, {**os.environ, "OMP_NUM_THREADS": "1"}, log)
     _wait_for(lambda: _logged_iterations(metrics) >= 3 and (ckpt / "iter_0000002").exists(), proc)
-    (torchrun,) = _children(proc.pid)
+    (torchrun,) = _children(proc.pid) if restarter == "torchrun.sh" else (proc.pid,)
     workers = _children(torchrun)
     assert len(workers) == 2
     os.kill(workers[-1], signal.SIGKILL)
     status = _finish(proc)
     text = log.read_text()
     assert status == 0, text[-4000:]
-    assert "torchrun.sh: torchrun failed (status 1); restart 1 of 1" in text
-    assert "> resumed from" in text
+    if restarter == "torchrun.sh":
+        assert "torchrun.sh: torchrun failed (status 1); restart 1 of 1" in text, text[-4000:]
+    assert text.count("> training from iteration") == 2 and f"> resumed from {ckpt} at iteration" in text
     assert losses_of(metrics) == straight_run  # 1..6, each once, as if nothing happened
