@@ -102,10 +102,6 @@ def main(argv=None) -> None:
     par, train, data_cfg = cfg[ParallelConfig], cfg[TrainingConfig], cfg[DataConfig]
     ckpt_cfg, log_cfg = cfg[CheckpointConfig], cfg[LoggingConfig]
     validate_layout(model_cfg, world)
-    from megatron_ext.training.checkpointing import check_save_dir
-
-    if ckpt_cfg.save:
-        check_save_dir(ckpt_cfg.save)
     if par.use_distributed_optimizer and ckpt_cfg.load and not ckpt_cfg.no_load_optim:
         # Megatron-Core 0.19's distributed-optimizer checkpoints load only with the optimizer
         # state layout of Transformer Engine / Apex (a per-parameter 'step'); torch Adam lacks it.
@@ -125,12 +121,15 @@ def main(argv=None) -> None:
     from megatron_ext.moe.router import discard_expert_bias_statistics, update_expert_biases
     from megatron_ext.parallel import build_model_chunks, build_optimizer, initialize_parallel, wrap_ddp
     from megatron_ext.training.checkpoint_compat import check_same_model
-    from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint
+    from megatron_ext.training.checkpointing import check_save_dir, load_checkpoint, save_checkpoint
     from megatron_ext.training.exit_signal import ExitSignal
     from megatron_ext.training.manual_gc import manual_gc
     from megatron_ext.training.metrics_log import MetricsLogger
-    from megatron_ext.training.nonfinite_guard import NonFiniteGuard, TooManySkippedSteps
+    from megatron_ext.training.nonfinite_guard import NonFiniteGuard
     from megatron_ext.training.step import forward_backward
+
+    if ckpt_cfg.save:  # before any work: an unusable --save fails now, not at the first save
+        check_save_dir(ckpt_cfg.save)
 
     # 1-2. Parallel state, model, DDP, optimizer, schedule.
     initialize_parallel(model_cfg, train.seed)
@@ -165,7 +164,8 @@ def main(argv=None) -> None:
         wd_incr_style="constant",
     )
     guard = NonFiniteGuard(optimizer, loss_group=ps.get_pipeline_model_parallel_group(),
-                           enabled=train.check_for_nan_in_loss_and_grad)
+                           enabled=train.check_for_nan_in_loss_and_grad,
+                           max_skipped=train.max_skipped_nonfinite_steps)
     exit_signal = ExitSignal(enabled=ckpt_cfg.exit_signal_handler)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     log0(f"> model: {model_cfg.num_layers} layers, pattern {model_cfg.attention_pattern!r}, "
@@ -278,13 +278,12 @@ def main(argv=None) -> None:
         # Iteration time: the mean over the steps since the last logged one (the host runs ahead of the device
         # between logged steps, so one step's host time says nothing).
         window_start, window_steps = device_time(), 0
-        skipped = 0
         while iteration < train.train_iters:
             for c in chunks:
                 c.zero_grad_buffer()
             optimizer.zero_grad()
-            # No host read of the device between here and the logging below (loss and grad norm stay device
-            # tensors until logged), so the host queues the optimizer step while the backward runs.
+            # One host read between here and the logging below: the NaN guard's, of the loss and the grad norm
+            # inside the step, before the update (they stay device tensors until logged).
             loss = run([next(data.train) for _ in range(micro_per_step)], read_loss=False)
             applied, grad_norm = guard.step(loss)  # the same on every rank
             if applied:
@@ -328,17 +327,8 @@ def main(argv=None) -> None:
                 )
             if rank_logger is not None and moe is not None and is_logged(iteration):
                 moe.log_tensorboard(rank_logger, iteration, rank, write_heatmap=is_logger)
-            if not applied:
-                skipped += 1
-                log0(f"> iteration {iteration}: {guard.describe_skip()}; the update was not applied "
-                     f"({skipped} skipped, max_skipped_nonfinite_steps {train.max_skipped_nonfinite_steps})")
-                if skipped > train.max_skipped_nonfinite_steps:
-                    raise TooManySkippedSteps(
-                        f"iteration {iteration}: {guard.describe_skip()}; stopping after {skipped} skipped "
-                        f"step(s) (max_skipped_nonfinite_steps {train.max_skipped_nonfinite_steps}); "
-                        + (f"the last checkpoint, of iteration {last_saved}, is as it was" if last_saved is not None
-                           else "no checkpoint saved in this run")
-                    )
+            if not applied:  # past max_skipped_nonfinite_steps this raises: no save after it
+                log0(guard.count_skipped_step(iteration, last_saved))
             stop = exit_signal.stop_requested()  # the same on every rank
             evaluate = bool(not stop and log_cfg.eval_iters and data.valid is not None
                             and iteration % log_cfg.eval_interval == 0)

@@ -28,9 +28,11 @@ class NonFiniteGuard:
     ``optimizer.step()``. ``loss_group``: the ranks over which the holders of the loss share it (the
     pipeline group); None or a one-rank group when every rank holds it."""
 
-    def __init__(self, optimizer, loss_group=None, enabled: bool = True):
+    def __init__(self, optimizer, loss_group=None, enabled: bool = True, max_skipped: int = 0):
         self.optimizer = optimizer
         self.enabled = enabled
+        self.max_skipped = max_skipped
+        self.skipped = 0
         self.loss_group = loss_group if loss_group is not None and dist.get_world_size(loss_group) > 1 else None
         self.last_loss: Optional[float] = None  # the values of the last skipped step
         self.last_grad_norm: Optional[float] = None
@@ -79,8 +81,18 @@ class NonFiniteGuard:
         self.last_grad_norm, self.last_loss = grad_norm, loss
         return False
 
-    def describe_skip(self) -> str:
-        return f"lm loss {self.last_loss}, grad norm {self.last_grad_norm}"
+    def count_skipped_step(self, iteration: int, last_saved: Optional[int]) -> str:
+        """Count a step ``step`` did not apply and return the line to log; past ``max_skipped`` raise
+        ``TooManySkippedSteps`` instead (``last_saved``: the iteration of the last checkpoint, for the message)."""
+        self.skipped += 1
+        values = f"iteration {iteration}: lm loss {self.last_loss}, grad norm {self.last_grad_norm}"
+        if self.skipped > self.max_skipped:
+            kept = (f"the last checkpoint, of iteration {last_saved}, is as it was" if last_saved is not None
+                    else "no checkpoint saved in this run")
+            raise TooManySkippedSteps(f"{values}; stopping after {self.skipped} skipped step(s) "
+                                      f"(max_skipped_nonfinite_steps {self.max_skipped}); {kept}")
+        return (f"> {values}; the update was not applied ({self.skipped} skipped, "
+                f"max_skipped_nonfinite_steps {self.max_skipped})")
 
 
 def _as_tensor(value, device) -> torch.Tensor:

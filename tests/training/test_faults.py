@@ -62,7 +62,7 @@ def test_a_nonfinite_step_is_not_applied_and_the_run_stops_before_saving_it(tmp_
     out = _output(result)
     assert result.returncode != 0, out[-4000:]
     skipped = [line for line in result.stdout.splitlines() if "the update was not applied" in line]
-    assert [line.split(":")[0] for line in skipped] == ["> iteration 3", "> iteration 4", "> iteration 5"], out[-4000:]
+    assert [line.split(":")[0] for line in skipped] == ["> iteration 3", "> iteration 4"], out[-4000:]
     losses = [float(line.split("lm loss ")[1].split(",")[0]) for line in skipped]
     assert all(loss > 1e3 or not np.isfinite(loss) for loss in losses), skipped
     assert "error: iteration 5: lm loss" in result.stderr, out[-4000:]
@@ -179,7 +179,8 @@ def test_a_checkpoint_of_another_model_is_refused_naming_each_key(tmp_path_facto
 def test_an_unwritable_save_dir_fails_at_start(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), *SMALL, "--save", str(blocker / "ckpt")]
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), *SMALL, "--expert-model-parallel-size", "1",
+           "--train-iters", "2", "--save", str(blocker / "ckpt")]
     started = time.monotonic()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2, _output(result)[-3000:]
