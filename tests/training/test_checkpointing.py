@@ -197,3 +197,14 @@ def test_a_damaged_checkpoint_is_named_and_the_previous_one_loads(tmp_path):
         assert said == [f"> refusing damaged checkpoint {path} ({'; '.join(damaged)}); falling back to the "
                         "previous one"]
         assert iteration == 1 and torch.equal(weight, _reference(11)[0].chunk(2)[rank])
+
+
+def test_the_structural_model_keys_are_model_config_keys():
+    """A renamed model key must not silently drop out of the checkpoint's model check."""
+    from megatron_ext.config import USER_FIELDS
+    from megatron_ext.training.checkpoint_compat import STRUCTURAL_MODEL_KEYS, model_differences
+
+    assert set(STRUCTURAL_MODEL_KEYS) <= set(USER_FIELDS)
+    saved = {"num_layers": 4, "hidden_size": 64, "lr": 0.1, "tensor_model_parallel_size": 1}
+    now = {"num_layers": 4, "hidden_size": 32, "lr": 0.2, "tensor_model_parallel_size": 2}
+    assert model_differences(saved, now) == ["hidden_size: 64 in the checkpoint, 32 now"]
