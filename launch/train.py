@@ -102,14 +102,6 @@ def main(argv=None) -> None:
     par, train, data_cfg = cfg[ParallelConfig], cfg[TrainingConfig], cfg[DataConfig]
     ckpt_cfg, log_cfg = cfg[CheckpointConfig], cfg[LoggingConfig]
     validate_layout(model_cfg, world)
-    if par.use_distributed_optimizer and ckpt_cfg.load and not ckpt_cfg.no_load_optim:
-        # Megatron-Core 0.19's distributed-optimizer checkpoints load only with the optimizer
-        # state layout of Transformer Engine / Apex (a per-parameter 'step'); torch Adam lacks it.
-        raise ConfigError(
-            "load: resuming the optimizer state with use_distributed_optimizer is not supported "
-            "yet; add --no-load-optim (weights, data position and RNG resume; the LR schedule "
-            "restarts, as with Megatron-LM's flag)"
-        )
     init_distributed()
 
     from megatron.core import parallel_state as ps
@@ -121,7 +113,9 @@ def main(argv=None) -> None:
     from megatron_ext.moe.router import discard_expert_bias_statistics, update_expert_biases
     from megatron_ext.parallel import build_model_chunks, build_optimizer, initialize_parallel, wrap_ddp
     from megatron_ext.training.checkpoint_compat import check_same_model
-    from megatron_ext.training.checkpointing import check_save_dir, load_checkpoint, save_checkpoint
+    from megatron_ext.training.checkpointing import (
+        check_save_dir, load_checkpoint, save_checkpoint, sharded_training_state,
+    )
     from megatron_ext.training.exit_signal import ExitSignal
     from megatron_ext.training.manual_gc import manual_gc
     from megatron_ext.training.metrics_log import MetricsLogger
@@ -175,15 +169,7 @@ def main(argv=None) -> None:
          f"{'fp32' if chunks[0].ddp_config.grad_reduce_in_fp32 else 'bf16'} gradient buffer")
 
     def sharded_state(for_loading: bool, with_optimizer: bool) -> dict:
-        model_sd = {f"model{i}": c.module.sharded_state_dict() for i, c in enumerate(chunks)}
-        state = dict(model_sd)
-        if with_optimizer:
-            merged = {k: v for sd in model_sd.values() for k, v in sd.items()}
-            state["optimizer"] = optimizer.sharded_state_dict(
-                merged, is_loading=for_loading,
-                metadata={"distrib_optim_sharding_type": "fully_reshardable"},
-            )
-        return state
+        return sharded_training_state(chunks, optimizer, for_loading=for_loading, with_optimizer=with_optimizer)
 
     # 3. Resume.
     iteration, consumed, resumed = 0, 0, False

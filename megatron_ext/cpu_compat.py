@@ -1,8 +1,9 @@
 """Run Megatron-Core 0.19.2 on CPU with the gloo backend.
 
 Megatron-Core assumes CUDA in a handful of places that our CPU path (the tiny default config,
-development, CI) goes through. Every patch to Megatron-Core's behaviour lives in this module (the CPU ones) or in
-``megatron_ext/speed_patches.py`` (the GPU-speed ones we opt into), each one small and named after what it
+development, CI) goes through. Every patch to Megatron-Core's behaviour lives in this module (the CPU ones), in
+``megatron_ext/speed_patches.py`` (the GPU-speed ones we opt into) or in ``megatron_ext/checkpoint_fixes.py``
+(the optimizer-checkpoint faults), each one small and named after what it
 fixes, each with a test that fails without it (``tests/test_cpu_compat.py``, ``tests/parallel/``). The CPU patches never run when CUDA is available: :func:`install` returns at once.
 
 The patches:

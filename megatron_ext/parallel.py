@@ -25,7 +25,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron_ext import speed_patches
+from megatron_ext import checkpoint_fixes, speed_patches
 from megatron_ext.config import ConfigError, HybridConfig
 from megatron_ext.model import build_model
 
@@ -236,6 +236,7 @@ def build_optimizer(
         use_distributed_optimizer=use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, chunks)
+    checkpoint_fixes.fix_optimizer_checkpoints(optimizer)
     if fast_step:
         use_fused_adam(optimizer)
         speed_patches.use_fused_adamw_step(optimizer)

@@ -149,6 +149,23 @@ def check_save_dir(save_dir: str) -> None:
         raise ConfigError(f"save: cannot write checkpoints to {save_dir}: {exc.strerror or exc}") from None
 
 
+def sharded_training_state(chunks, optimizer, *, for_loading: bool, with_optimizer: bool) -> dict:
+    """What a training checkpoint holds, as a sharded state dict: each model chunk's (``model0``, ``model1``, ...)
+    and, ``with_optimizer``, the optimizer's (moments, fp32 main weights, step) sharded like the model, so that
+    both reshard across TP/PP/EP/DP. ``for_loading`` builds the dict to load into (it may allocate optimizer
+    state). ``chunks`` are the DDP-wrapped model chunks."""
+    model = {f"model{i}": c.module.sharded_state_dict() for i, c in enumerate(chunks)}
+    state = dict(model)
+    if with_optimizer:
+        merged = {k: v for sd in model.values() for k, v in sd.items()}
+        state["optimizer"] = optimizer.sharded_state_dict(
+            merged, is_loading=for_loading,
+            metadata={"distrib_optim_sharding_type": "fully_reshardable"},
+        )
+    return state
+
+
+
 def save_checkpoint(
     save_dir: str,
     iteration: int,
