@@ -8,8 +8,8 @@ reads it and the step's loss to the host; when either is not finite it returns "
 Megatron's own found-inf path does, so weights, moments and the Adam step count stay as they were.
 
 Cost: one host read of two numbers per step, which waits for the backward to finish; the host can
-no longer queue the optimizer step while the backward runs, so its launch time (about a millisecond
-per step with the fused AdamW step) shows on the GPU. Under pipeline parallelism, where only the last
+no longer queue the optimizer step while the backward runs, so its launch time shows on the GPU (on
+one H200 with configs/h200.yaml no difference beyond the run-to-run spread: docs/training.md). Under pipeline parallelism, where only the last
 stage holds the loss, one more all-reduce of two numbers over the pipeline group brings the decision
 and the loss to every stage.
 """
