@@ -5,10 +5,14 @@ override the YAML file; ``--help`` lists every key. The loop reads top to bottom
 
   1. process group, config, parallel state;
   2. model chunks -> Megatron DDP -> Megatron (distributed) AdamW -> LR schedule;
-  3. resume from ``--load`` (model, optimizer, scheduler, data position, RNG);
-  4. per iteration: microbatches through Megatron's pipeline schedule, optimizer step,
-     per-step router-bias updates, logs (progress line, TensorBoard, metrics.jsonl);
-  5. evaluation and atomic checkpoints every N iterations and at the end.
+  3. resume from ``--load`` (model, optimizer, scheduler, data position, RNG): the newest
+     intact checkpoint of the same model; none there starts from scratch, so ``--load`` =
+     ``--save`` makes a job that resumes itself;
+  4. per iteration: microbatches through Megatron's pipeline schedule, optimizer step (not
+     applied when the loss or grad norm is NaN/inf), per-step router-bias updates, logs
+     (progress line, TensorBoard, metrics.jsonl);
+  5. evaluation and atomic checkpoints every N iterations, at the end, and after the step in
+     which SIGTERM/SIGINT arrived (then exit 0).
 """
 
 from __future__ import annotations
@@ -71,12 +75,14 @@ def init_distributed() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    from megatron_ext.training.rendezvous import init_process_group  # survives torchrun's restarts
+
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
+        init_process_group("nccl")
     else:
         cpu_compat.install()
-        dist.init_process_group("gloo")
+        init_process_group("gloo")
 
 
 def log0(msg: str) -> None:
@@ -104,12 +110,20 @@ def main(argv=None) -> None:
     from megatron_ext.data.build import build_data_iterators
     from megatron_ext.flops import model_flops_per_token
     from megatron_ext.moe.metrics import collect_moe_metrics, reset_moe_step_statistics
-    from megatron_ext.moe.router import update_expert_biases
+    from megatron_ext.moe.router import discard_expert_bias_statistics, update_expert_biases
     from megatron_ext.parallel import build_model_chunks, build_optimizer, initialize_parallel, wrap_ddp
-    from megatron_ext.training.checkpointing import load_checkpoint, save_checkpoint, sharded_training_state
+    from megatron_ext.training.checkpoint_compat import check_same_model
+    from megatron_ext.training.checkpointing import (
+        check_save_dir, load_checkpoint, save_checkpoint, sharded_training_state,
+    )
+    from megatron_ext.training.exit_signal import ExitSignal
     from megatron_ext.training.manual_gc import manual_gc
     from megatron_ext.training.metrics_log import MetricsLogger
+    from megatron_ext.training.nonfinite_guard import NonFiniteGuard
     from megatron_ext.training.step import forward_backward
+
+    if ckpt_cfg.save:  # before any work: an unusable --save fails now, not at the first save
+        check_save_dir(ckpt_cfg.save)
 
     # 1-2. Parallel state, model, DDP, optimizer, schedule.
     initialize_parallel(model_cfg, train.seed)
@@ -143,6 +157,10 @@ def main(argv=None) -> None:
         wd_incr_steps=train.train_iters,
         wd_incr_style="constant",
     )
+    guard = NonFiniteGuard(optimizer, loss_group=ps.get_pipeline_model_parallel_group(),
+                           enabled=train.check_for_nan_in_loss_and_grad,
+                           max_skipped=train.max_skipped_nonfinite_steps)
+    exit_signal = ExitSignal(enabled=ckpt_cfg.exit_signal_handler)
     n_params = sum(p.numel() for c in chunks for p in c.parameters())
     log0(f"> model: {model_cfg.num_layers} layers, pattern {model_cfg.attention_pattern!r}, "
          f"{n_params / 1e6:.2f}M parameters on rank 0, world {world} "
@@ -154,12 +172,15 @@ def main(argv=None) -> None:
         return sharded_training_state(chunks, optimizer, for_loading=for_loading, with_optimizer=with_optimizer)
 
     # 3. Resume.
-    iteration, consumed = 0, 0
+    iteration, consumed, resumed = 0, 0, False
     if ckpt_cfg.load:
+        current_config = cfg.to_dict()
         loaded = load_checkpoint(
             ckpt_cfg.load,
-            sharded_state(True, not ckpt_cfg.no_load_optim),
+            lambda: sharded_state(True, not ckpt_cfg.no_load_optim),  # built only when there is a checkpoint
             load_rng=not ckpt_cfg.no_load_rng,
+            check_common=lambda path, common: check_same_model(path, common.get("config"), current_config),
+            log=log0,
         )
         if loaded is None:
             log0(f"> no checkpoint in {ckpt_cfg.load}; starting from scratch")
@@ -171,10 +192,12 @@ def main(argv=None) -> None:
                 optimizer.load_state_dict(state["optimizer"])
             if "scheduler" in common and not ckpt_cfg.no_load_optim:
                 scheduler.load_state_dict(common["scheduler"])
-            iteration, consumed = common["iteration"], common["consumed_samples"]
+            iteration, consumed, resumed = common["iteration"], common["consumed_samples"], True
             log0(f"> resumed from {ckpt_cfg.load} at iteration {iteration}")
+    last_saved = iteration if resumed else None
 
-    def save(it: int) -> None:
+    def save(it: int) -> str:
+        nonlocal last_saved
         path = save_checkpoint(
             ckpt_cfg.save,
             it,
@@ -183,6 +206,8 @@ def main(argv=None) -> None:
             config=cfg.to_dict(),
         )
         log0(f"> saved checkpoint {path}")
+        last_saved = it
+        return path
 
     # 4. Data and logs.
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -201,15 +226,19 @@ def main(argv=None) -> None:
     )
     rank = dist.get_rank()
     is_logger = rank == world - 1  # the last pipeline stage holds the loss
+    # A resumed run first drops what was logged after its checkpoint (those iterations run again).
+    resume_point = dict(resumed_iteration=iteration, resumed_samples=consumed) if resumed else {}
     logger = MetricsLogger(
         train.train_iters,
         tensorboard_dir=log_cfg.tensorboard_dir,
         metrics_dir=log_cfg.metrics_dir,
         enabled=is_logger,
+        **resume_point,
     )
     # Per-rank expert load: every rank writes its own TensorBoard run, tensorboard_dir/rank_<r>.
     rank_logger = (
-        MetricsLogger(train.train_iters, tensorboard_dir=os.path.join(log_cfg.tensorboard_dir, f"rank_{rank}"))
+        MetricsLogger(train.train_iters, tensorboard_dir=os.path.join(log_cfg.tensorboard_dir, f"rank_{rank}"),
+                      **resume_point)
         if log_cfg.tensorboard_dir and model_cfg.num_moe_experts
         else None
     )
@@ -239,17 +268,18 @@ def main(argv=None) -> None:
             for c in chunks:
                 c.zero_grad_buffer()
             optimizer.zero_grad()
-            # No host read of the device between here and the logging below (loss and grad norm stay device
-            # tensors until logged), so the host queues the optimizer step while the backward runs.
+            # One host read between here and the logging below: the NaN guard's, of the loss and the grad norm
+            # inside the step, before the update (they stay device tensors until logged).
             loss = run([next(data.train) for _ in range(micro_per_step)], read_loss=False)
-            _, grad_norm, _ = optimizer.step()
-            scheduler.step(increment=1)
+            applied, grad_norm = guard.step(loss)  # the same on every rank
+            if applied:
+                scheduler.step(increment=1)
             iteration += 1
             window_steps += 1
             consumed += train.global_batch_size
             moe = None
             if model_cfg.num_moe_experts:
-                if is_logged(iteration):
+                if is_logged(iteration) and applied:
                     # Collectives on every rank; before the bias update so bias stats are this step's.
                     moe = collect_moe_metrics(
                         chunks,
@@ -259,7 +289,10 @@ def main(argv=None) -> None:
                     )
                 else:  # the routers' step sums start again at zero, as collect_moe_metrics leaves them
                     reset_moe_step_statistics(chunks)
-            update_expert_biases(chunks, bias_group)
+            if applied:
+                update_expert_biases(chunks, bias_group)
+            else:  # the skipped step's routing statistics may be NaN: the biases stay too
+                discard_expert_bias_statistics(chunks)
             if is_logged(iteration):
                 elapsed = (device_time() - window_start) / window_steps
                 tokens_per_sec = train.global_batch_size * train.seq_length / elapsed
@@ -280,8 +313,13 @@ def main(argv=None) -> None:
                 )
             if rank_logger is not None and moe is not None and is_logged(iteration):
                 moe.log_tensorboard(rank_logger, iteration, rank, write_heatmap=is_logger)
-            evaluate = bool(log_cfg.eval_iters and data.valid is not None and iteration % log_cfg.eval_interval == 0)
-            checkpoint = bool(ckpt_cfg.save and ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0)
+            if not applied:  # past max_skipped_nonfinite_steps this raises: no save after it
+                log0(guard.count_skipped_step(iteration, last_saved))
+            stop = exit_signal.stop_requested()  # the same on every rank
+            evaluate = bool(not stop and log_cfg.eval_iters and data.valid is not None
+                            and iteration % log_cfg.eval_interval == 0)
+            checkpoint = bool(ckpt_cfg.save and (stop or ckpt_cfg.save_interval
+                                                 and iteration % ckpt_cfg.save_interval == 0))
             if evaluate:
                 data.valid.reset()
                 micro_eval = log_cfg.eval_iters * micro_per_step
@@ -290,12 +328,17 @@ def main(argv=None) -> None:
                 if is_logger:
                     logger.log_validation(iteration, val, consumed)
             # 5. Checkpoints.
-            if checkpoint:
+            if checkpoint and last_saved != iteration:
                 save(iteration)
+            if stop:
+                where = (f"saved to {ckpt_cfg.save} at iteration {iteration}" if ckpt_cfg.save
+                         else "nothing saved (no --save)")
+                log0(f"> {exit_signal.name}: stopped after iteration {iteration} of {train.train_iters}; {where}")
+                break
             collect_garbage(iteration)
             if is_logged(iteration) or evaluate or checkpoint:  # their time is not the steps'
                 window_start, window_steps = device_time(), 0
-    if ckpt_cfg.save and not (ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0):
+    if ckpt_cfg.save and last_saved != iteration:
         save(iteration)
     logger.close()
     if rank_logger is not None:
@@ -305,9 +348,20 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
+def _fail(exc: Exception, status: int) -> None:
+    """One line, no traceback; every rank fails alike, so rank 0 says it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
+    from megatron_ext.training.checkpointing import DamagedCheckpointError
+    from megatron_ext.training.nonfinite_guard import TooManySkippedSteps
+
     try:
         main()
-    except ConfigError as exc:  # a bad key or value: one clear line, no traceback
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    except ConfigError as exc:  # a bad key or value (or a checkpoint of another model): no traceback
+        _fail(exc, 2)
+    except (DamagedCheckpointError, TooManySkippedSteps) as exc:
+        _fail(exc, 1)

@@ -34,7 +34,7 @@ from megatron_ext.moe.quantile_dual_bias import dual_bias_updates
 from megatron_ext.moe.quantile_histogram import flat_counts
 
 __all__ = ["TopKRouter", "AuxLossInjector", "BALANCERS", "expert_counts", "init_on_cpu", "param_device",
-           "update_expert_biases"]
+           "update_expert_biases", "discard_expert_bias_statistics"]
 
 BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
 _BIASED_BALANCERS = ("sign_bias", "qb_bias", "qb_both")
@@ -341,3 +341,17 @@ def update_expert_biases(model_chunks, group: dist.ProcessGroup | None = None) -
                     module.update_expert_bias(group)
     for routers in batches.values():  # dict order: first appearance, the same on every rank
         _update_dual_biases(routers, group)
+
+
+@torch.no_grad()
+def discard_expert_bias_statistics(model_chunks) -> None:
+    """Zero every router's bias statistics without updating its bias: what a step whose update was
+    skipped (a NaN/inf loss or grad norm, ``megatron_ext.training.nonfinite_guard``) does in place of
+    :func:`update_expert_biases`, so neither its weights nor its biases move. No collective."""
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                for stats in (module.step_tokens_per_expert, module.step_residual_histogram):
+                    if stats is not None:
+                        stats.zero_()

@@ -10,7 +10,9 @@ A save writes everything into ``iter_XXXXXXX.tmp``; after every rank finished (b
 rank 0 fsyncs it, renames it to ``iter_XXXXXXX`` and atomically replaces the tracker
 (write tmp + fsync + ``os.replace``). A crash at any point leaves the previous checkpoint and
 tracker untouched; leftover ``.tmp`` directories are ignored by ``find_latest_checkpoint`` and
-deleted by rank 0 at the next save.
+deleted by rank 0 at the next save. Before the rename the ranks record every file's size and
+CRC-32 in ``checksums.json`` (``checkpoint_integrity``); ``load_checkpoint`` verifies them and
+falls back to the next older complete checkpoint when one is damaged.
 
 What goes in: the caller's sharded state dict (model / optimizer ``ShardedTensor``s, whose
 global layout lets ``load_checkpoint`` reshard across TP/PP/EP), the common state (identical on
@@ -29,11 +31,13 @@ import random
 import re
 import shutil
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from megatron_ext.training.checkpoint_integrity import damaged_files, write_manifest
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
@@ -130,6 +134,21 @@ def set_rng_state(state: dict) -> None:
 # ------------------------------------------------------------------------------ save / load
 
 
+def check_save_dir(save_dir: str) -> None:
+    """Create ``save_dir`` and write a file into it, so an unusable ``--save`` fails at start rather
+    than at the first save; raises ``ConfigError`` naming the directory and the reason."""
+    from megatron_ext.errors import ConfigError
+
+    probe = os.path.join(save_dir, f".write_test.{os.getpid()}")
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as exc:
+        raise ConfigError(f"save: cannot write checkpoints to {save_dir}: {exc.strerror or exc}") from None
+
+
 def sharded_training_state(chunks, optimizer, *, for_loading: bool, with_optimizer: bool) -> dict:
     """What a training checkpoint holds, as a sharded state dict: each model chunk's (``model0``, ``model1``, ...)
     and, ``with_optimizer``, the optimizer's (moments, fp32 main weights, step) sharded like the model, so that
@@ -187,6 +206,8 @@ def save_checkpoint(
         state[_RNG_KEY] = ShardedObject(_RNG_KEY, get_rng_state(), (world,), (rank,), replica_id=0)
     dist_checkpointing.save(state, tmp)
     _barrier()
+    write_manifest(tmp)
+    _barrier()
     if rank == 0:
         _fsync_tree(tmp)
         if os.path.exists(final):  # re-saving an iteration (e.g. after a restart): replace it
@@ -209,43 +230,58 @@ def remove_stale_temp_dirs(save_dir: str) -> list[str]:
     return removed
 
 
-def find_latest_checkpoint(load_dir: str) -> Optional[tuple[int, str]]:
-    """(iteration, path) of the newest complete checkpoint in ``load_dir``, or None.
+def complete_checkpoints(load_dir: str) -> list[tuple[int, str]]:
+    """(iteration, path) of every complete checkpoint in ``load_dir``, the one to load first first.
 
-    The tracker names it when it points at a complete ``iter_`` directory; otherwise (tracker
-    missing, stale or corrupt) the newest complete directory wins. ``.tmp`` directories and
-    directories without ``metadata.json`` never count.
+    That is the one the tracker names when it points at a complete ``iter_`` directory (a
+    missing, stale or corrupt tracker is ignored), then the others, newest first. ``.tmp``
+    directories and directories without ``metadata.json`` never count.
     """
     if not os.path.isdir(load_dir):
-        return None
-    try:
-        with open(os.path.join(load_dir, TRACKER_FILE)) as f:
-            tracked = int(f.read().strip())
-        path = os.path.join(load_dir, checkpoint_name(tracked))
-        if _is_complete(path):
-            return tracked, path
-    except (OSError, ValueError):
-        pass
+        return []
     found = []
     for name in os.listdir(load_dir):
         match = _ITER_RE.match(name)
         if match and _is_complete(os.path.join(load_dir, name)):
             found.append((int(match.group(1)), os.path.join(load_dir, name)))
-    return max(found) if found else None
+    found.sort(reverse=True)
+    try:
+        with open(os.path.join(load_dir, TRACKER_FILE)) as f:
+            tracked = int(f.read().strip())
+    except (OSError, ValueError):
+        return found
+    return sorted(found, key=lambda item: item[0] != tracked)  # stable: the rest stay newest first
+
+
+def find_latest_checkpoint(load_dir: str) -> Optional[tuple[int, str]]:
+    """(iteration, path) of the checkpoint to load from ``load_dir`` (see ``complete_checkpoints``), or None."""
+    found = complete_checkpoints(load_dir)
+    return found[0] if found else None
+
+
+class DamagedCheckpointError(RuntimeError):
+    """Every complete checkpoint in the directory failed its checksums."""
 
 
 def load_checkpoint(
     load_dir: str,
-    sharded_state_dict: dict,
+    sharded_state_dict: Union[dict, Callable[[], dict]],
     *,
     iteration: Optional[int] = None,
     load_rng: bool = True,
     strict: str = "assume_ok_unexpected",
+    check_common: Optional[Callable[[str, dict], None]] = None,
+    log: Callable[[str], None] = print,
 ) -> Optional[tuple[dict, dict]]:
-    """Load the newest complete checkpoint (or ``iteration``) into the layout of
+    """Load the newest complete and intact checkpoint (or ``iteration``) into the layout of
     ``sharded_state_dict``; every rank must call it.
 
-    Returns ``(state_dict, common_state)``: the loaded tensors/objects keyed like
+    ``sharded_state_dict`` may be a function that builds it, called only once there is a
+    checkpoint to load (building an optimizer's loading state dict initialises its state).
+    A checkpoint whose files fail their checksums is skipped, saying so through ``log``, for the
+    next older one (``DamagedCheckpointError`` when none is left; with ``iteration``, at once).
+    ``check_common(path, common_state)`` may refuse a checkpoint by raising before anything is
+    loaded. Returns ``(state_dict, common_state)``: the loaded tensors/objects keyed like
     ``sharded_state_dict`` (copy them into the model/optimizer) and the common state (with
     ``iteration``, ``world_size``, ``config`` and the caller's keys), or None when there is no
     checkpoint. RNG states are restored when ``load_rng`` and the world size matches.
@@ -254,18 +290,21 @@ def load_checkpoint(
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     if iteration is None:
-        found = find_latest_checkpoint(load_dir)
-        if found is None:
+        candidates = complete_checkpoints(load_dir)
+        if not candidates:
             return None
-        iteration, path = found
     else:
         path = os.path.join(load_dir, checkpoint_name(iteration))
         if not _is_complete(path):
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no metadata.json)")
+        candidates = [(iteration, path)]
     _require_process_group("load_checkpoint")
+    path = _first_intact(candidates, log)
     world, rank = dist.get_world_size(), dist.get_rank()
     common = dist_checkpointing.load_common_state_dict(path)[_COMMON_KEY]
-    request = dict(sharded_state_dict)
+    if check_common is not None:
+        check_common(path, common)
+    request = dict(sharded_state_dict() if callable(sharded_state_dict) else sharded_state_dict)
     restore_rng = load_rng and common["world_size"] == world
     if restore_rng:
         request[_RNG_KEY] = ShardedObject(_RNG_KEY, None, (world,), (rank,), replica_id=0)
@@ -274,6 +313,22 @@ def load_checkpoint(
         set_rng_state(loaded.pop(_RNG_KEY))
     loaded.pop(_COMMON_KEY, None)
     return loaded, common
+
+
+def _first_intact(candidates: list[tuple[int, str]], log: Callable[[str], None]) -> str:
+    """The path of the first candidate whose files pass their checksums (every rank checks a share)."""
+    refused = []
+    for _, path in candidates:
+        damaged = damaged_files(path)
+        if damaged is None:
+            log(f"> {path} has no checksums (saved by an older version); loading it unverified")
+            return path
+        if not damaged:
+            return path
+        refused.append(f"{path} ({'; '.join(damaged)})")
+        log(f"> refusing damaged checkpoint {refused[-1]}"
+            + ("; falling back to the previous one" if len(refused) < len(candidates) else ""))
+    raise DamagedCheckpointError("no intact checkpoint to load: " + ", ".join(refused))
 
 
 def common_state_of(path: str) -> dict[str, Any]:

@@ -11,6 +11,8 @@ fsynced line by line so a crash loses nothing already logged.
 
 Create one ``MetricsLogger`` per process; pass ``enabled=False`` on ranks that should not
 write (Megatron logs from the last rank, which holds the loss under pipeline parallelism).
+A run resumed from a checkpoint passes its iteration and consumed samples: what was logged
+after them is removed first (``metrics_rewind``), so the iterations run again appear once.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class MetricsLogger:
     """Progress lines, TensorBoard and ``metrics.jsonl`` for one training run."""
 
     def __init__(self, train_iters: int, tensorboard_dir: Optional[str] = None,
-                 metrics_dir: Optional[str] = None, enabled: bool = True, print_fn=print):
+                 metrics_dir: Optional[str] = None, enabled: bool = True, print_fn=print,
+                 resumed_iteration: Optional[int] = None, resumed_samples: Optional[int] = None):
         self.train_iters = train_iters
         self.enabled = enabled
         self.print_fn = print_fn
@@ -110,6 +113,13 @@ class MetricsLogger:
         self._jsonl = None
         if not enabled:
             return
+        if resumed_iteration is not None:
+            from megatron_ext.training.metrics_rewind import rewind_metrics_jsonl, rewind_tensorboard
+
+            if tensorboard_dir is not None and os.path.isdir(tensorboard_dir):
+                rewind_tensorboard(tensorboard_dir, resumed_iteration, resumed_samples or 0)
+            if metrics_dir is not None:
+                rewind_metrics_jsonl(os.path.join(metrics_dir, "metrics.jsonl"), resumed_iteration)
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 

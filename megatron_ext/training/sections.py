@@ -86,6 +86,10 @@ class TrainingConfig:
     # manual_gc_interval steps (0: none). Automatic full collections took ~240 ms on the H200 host.
     manual_gc: bool = True
     manual_gc_interval: int = 100
+    # A step whose loss or grad norm is NaN/inf is not applied (megatron_ext/training/nonfinite_guard.py: one host
+    # read per step); the run stops once more than max_skipped_nonfinite_steps were skipped (0: at the first).
+    check_for_nan_in_loss_and_grad: bool = True
+    max_skipped_nonfinite_steps: int = 0
 
     def __post_init__(self):
         for key in ("micro_batch_size", "seq_length", "train_iters"):
@@ -106,6 +110,8 @@ class TrainingConfig:
             _require(0 <= getattr(self, key) < 1, key, f"must be in [0, 1), got {getattr(self, key)}")
         _require(self.adam_eps > 0, "adam_eps", f"must be > 0, got {self.adam_eps}")
         _require(self.clip_grad >= 0, "clip_grad", f"must be >= 0 (0 disables), got {self.clip_grad}")
+        _require(self.max_skipped_nonfinite_steps >= 0, "max_skipped_nonfinite_steps",
+                 f"must be >= 0 (0: stop at the first skipped step), got {self.max_skipped_nonfinite_steps}")
         _require(self.manual_gc_interval >= 0, "manual_gc_interval",
                  f"must be >= 0 (0: no collections during training), got {self.manual_gc_interval}")
         _require(self.main_grad_dtype in ("fp32", "bf16", "auto"), "main_grad_dtype",
@@ -151,6 +157,8 @@ class CheckpointConfig:
     no_save_optim: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False
+    # SIGTERM/SIGINT: finish the step, save to `save`, exit 0 (megatron_ext/training/exit_signal.py).
+    exit_signal_handler: bool = True
 
     def __post_init__(self):
         si = self.save_interval

@@ -90,6 +90,8 @@ def test_defaults_and_global_batch_from_dp():
     (["--micro-batch-size", "0"], r"micro_batch_size: must be >= 1, got 0 \(from command line\)"),
     (["--min-lr", "1", "--lr", "0.1"], r"min_lr: must be in \[0, lr=0.1\]"),
     (["--sequence-parallel"], r"sequence_parallel: needs tensor_model_parallel_size > 1"),
+    (["--max-skipped-nonfinite-steps", "-1"], r"max_skipped_nonfinite_steps: must be >= 0 \(0: stop at the first"),
+    (["--exit-signal-handler=sometimes"], r"exit_signal_handler = 'sometimes'.*expected bool"),
     (["--g-min", "-7"], r"invalid StandInModelConfig: g_min must be in \[-5, 0\)"),
     (["--global-batch-size", "6", "--micro-batch-size", "2"],
      r"global_batch_size: must be divisible by micro_batch_size \(2\) x data-parallel size \(4\)"),

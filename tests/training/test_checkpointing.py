@@ -163,3 +163,48 @@ def _recover_worker(rank, world, save_dir, empty_dir):
     empty = _load_worker(rank, world, empty_dir)
     _save_worker(rank, world, save_dir, 5, 4)
     return loaded, bad_iteration, empty
+
+
+def _damage_then_load_worker(rank, world, save_dir):
+    from megatron_ext.training.checkpoint_integrity import damaged_files
+
+    _save_worker(rank, world, save_dir, 11, 1)
+    path = _save_worker(rank, world, save_dir, 12, 2)[0]
+    intact = damaged_files(path)
+    if rank == 0:  # one shard changed in place (same size), the other gone
+        with open(os.path.join(path, "__1_0.distcp"), "r+b") as f:
+            f.seek(64)
+            f.write(torch.randn(256).numpy().tobytes())
+        os.remove(os.path.join(path, "__0_0.distcp"))
+    dist.barrier()
+    damaged = damaged_files(path)
+    said = []
+    empty = torch.zeros(ROWS // world, COLS)
+    state, common = ckpt.load_checkpoint(save_dir, lambda: _sharded(empty, torch.zeros(5), rank, world),
+                                         log=said.append)
+    return intact, damaged, said, state["model"]["weight"], common["iteration"]
+
+
+def test_a_damaged_checkpoint_is_named_and_the_previous_one_loads(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    results = run_distributed(_damage_then_load_worker, 2, save_dir)
+    path = os.path.join(save_dir, "iter_0000002")
+    assert "checksums.json" in os.listdir(path)
+    for rank, (intact, damaged, said, weight, iteration) in enumerate(results):
+        assert intact == []
+        assert damaged == [f"{path}/__0_0.distcp: missing",
+                           f"{path}/__1_0.distcp: contents changed since the save (CRC-32 mismatch)"]
+        assert said == [f"> refusing damaged checkpoint {path} ({'; '.join(damaged)}); falling back to the "
+                        "previous one"]
+        assert iteration == 1 and torch.equal(weight, _reference(11)[0].chunk(2)[rank])
+
+
+def test_the_structural_model_keys_are_model_config_keys():
+    """A renamed model key must not silently drop out of the checkpoint's model check."""
+    from megatron_ext.config import USER_FIELDS
+    from megatron_ext.training.checkpoint_compat import STRUCTURAL_MODEL_KEYS, model_differences
+
+    assert set(STRUCTURAL_MODEL_KEYS) <= set(USER_FIELDS)
+    saved = {"num_layers": 4, "hidden_size": 64, "lr": 0.1, "tensor_model_parallel_size": 1}
+    now = {"num_layers": 4, "hidden_size": 32, "lr": 0.2, "tensor_model_parallel_size": 2}
+    assert model_differences(saved, now) == ["hidden_size: 64 in the checkpoint, 32 now"]

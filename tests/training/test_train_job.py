@@ -1,34 +1,12 @@
 """The training job end to end (torchrun, gloo, CPU): exact resume and resharded loading."""
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SMALL = [
-    "--config", str(ROOT / "configs" / "tiny.yaml"),
-    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--lr-warmup-iters", "1", "--lr-decay-iters", "6", "--log-interval", "1",
-    "--eval-iters", "0", "--tensorboard-dir", "",
-]
-
-
-def train(tmp: Path, name: str, nproc: int, *flags: str) -> dict[int, float]:
-    """Run launch/train.py under torchrun; return {iteration: lm_loss} from metrics.jsonl."""
-    out = tmp / name
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        str(ROOT / "launch" / "train.py"), *SMALL, "--metrics-dir", str(out), *flags,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, lines) if "lm_loss" in r}
+from tests.training._job import ROOT, SMALL, train
 
 
 # bf16 is what users train in (the fused AdamW step; Megatron's mixed-precision optimizer), and with the distributed
