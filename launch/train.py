@@ -241,6 +241,10 @@ def main(argv=None) -> None:
     def is_logged(it):  # the same on every rank: the MoE metrics' collectives run on these steps only
         return it % log_cfg.log_interval == 0 or it == train.train_iters
 
+    def is_image_step(it):  # MoE load heatmap and per-expert counts: a logged step
+        interval = log_cfg.log_images_interval
+        return bool(interval) and (it % interval == 0 or it == train.train_iters)
+
     def device_time() -> float:  # the host clock once the device has caught up
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -292,10 +296,12 @@ def main(argv=None) -> None:
                     flops_per_token=flops_per_token if torch.cuda.is_available() else None,
                     peak_tflops=log_cfg.peak_tflops,
                     num_gpus=world,
-                    extra=moe.scalars() if moe is not None else None,
+                    extra=(None if moe is None else
+                           {**moe.scalars(), **(moe.expert_load_record() if is_image_step(iteration) else {})}),
                 )
             if rank_logger is not None and moe is not None and is_logged(iteration):
-                moe.log_tensorboard(rank_logger, iteration, rank, write_heatmap=is_logger)
+                moe.log_tensorboard(rank_logger, iteration, rank,
+                                    global_logger=logger if is_logger and is_image_step(iteration) else None)
             evaluate = bool(log_cfg.eval_iters and data.valid is not None and iteration % log_cfg.eval_interval == 0)
             checkpoint = bool(ckpt_cfg.save and ckpt_cfg.save_interval and iteration % ckpt_cfg.save_interval == 0)
             if evaluate:
