@@ -105,7 +105,8 @@ def report(history: LoadHistory) -> str:
     lines = [f"{history.source}: {len(its)} logged steps, iterations {its[0]}-{its[-1]}, "
              f"EP{history.ep_size}, expert load at iteration {load_it if load_it is not None else '-'}",
              f"{'layer':>5} | {'MaxVio now':>10} {'min':>7} {'max':>7} | {'EP load':>7} {'rank':>4} {'since':>6} | "
-             f"{'hottest experts (load/mean)':<30} | {'coldest experts':<30}" + (" | dropped rerouted" if with_drops else "")]
+             f"{'hottest experts (load/mean)':<30} | {'coldest experts':<30}"
+             + (" | dropped rerouted" if with_drops else "")]
     for s in summaries:
         ep = (f"{s.ep_load_now:7.3f} {s.most_loaded_rank:4d} {s.most_loaded_since:6d}" if s.ep_load_now is not None
               else f"{'-':>7} {'-':>4} {'-':>6}")
@@ -114,7 +115,7 @@ def report(history: LoadHistory) -> str:
         lines.append(line + (f" | {s.dropped:7.0f} {s.rerouted:8.0f}" if with_drops else ""))
     mean = sum(s.maxvio_now for s in summaries) / len(summaries)
     lines.append(f"{'mean':>5} | {mean:10.4f}")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def compare(a: LoadHistory, b: LoadHistory, names: tuple[str, str]) -> str:
