@@ -193,3 +193,54 @@ def test_cli_report_compare_and_plot(ep2_run, pp2_run, tmp_path, capsys):
     main(["--compare", str(ep2_run), str(pp2_run), "--plot", str(tmp_path / "cmp.png")])
     assert capsys.readouterr().out.startswith(f"A = {ep2_run.name}: {ep2_run / 'metrics.jsonl'}\n")
     assert np.asarray(Image.open(tmp_path / "cmp.png")).shape[:2] == (900, 2000)
+
+
+def _synthetic_step(rng, num_layers, num_experts, ep_size):
+    """What collect_moe_metrics returns on the logging rank for random global counts (EP = all ranks)."""
+    import torch
+
+    from megatron_ext.moe.metrics import MoELayerMetrics, MoEStepMetrics, ep_rank_loads, max_violation
+
+    layers = []
+    for layer in range(1, num_layers + 1):
+        counts = torch.from_numpy(rng.integers(0, 5000, size=num_experts))
+        loads = ep_rank_loads(counts, ep_size)
+        layers.append(MoELayerMetrics(
+            layer=layer, maxvio=max_violation(counts), ep_load_factor=float(loads.max()),
+            ep_most_loaded_rank=int(loads.argmax()), dropped=0, rerouted=int(rng.integers(0, 9)), bias_mean=None,
+            bias_std=None, bias_min=None, bias_max=None, global_tokens_per_expert=counts.tolist()))
+    return MoEStepMetrics(layers, ep_size=ep_size)
+
+
+def test_ep64_with_256_experts_and_48_layers_reads_back_from_both_sources(tmp_path):
+    """The largest layout the issue names, through MetricsLogger as the training loop calls it."""
+    from megatron_ext.training.metrics_log import MetricsLogger
+
+    rng = np.random.default_rng(0)
+    logger = MetricsLogger(30, tensorboard_dir=str(tmp_path / "tensorboard"), metrics_dir=str(tmp_path),
+                           print_fn=lambda *_: None)
+    steps = {}
+    for it in (10, 20, 30):
+        steps[it] = moe = _synthetic_step(rng, num_layers=48, num_experts=256, ep_size=64)
+        images = it != 20
+        logger.log_iteration(it, consumed_samples=it, lm_loss=1.0, lr=1e-3, grad_norm=1.0, batch_size=1,
+                             iteration_time_s=1.0, tokens_per_sec=1.0,
+                             extra={**moe.scalars(), **(moe.expert_load_record() if images else {})})
+        moe.log_tensorboard(logger, it, rank=0, global_logger=logger if images else None)
+    logger.close()
+    from_events, from_jsonl = read_run(tmp_path, "tensorboard"), read_run(tmp_path, "jsonl")
+    assert from_events.ep_size == from_jsonl.ep_size == 64 and sorted(from_events.expert_load) == [10, 30]
+    last = steps[30].layers
+    for history in (from_events, from_jsonl):
+        summaries = summarize(history)
+        assert [s.layer for s in summaries] == list(range(1, 49))
+        for s, m in zip(summaries, last):
+            assert s.maxvio_now == pytest.approx(m.maxvio, rel=1e-6)
+            assert s.most_loaded_rank == m.ep_most_loaded_rank and s.ep_load_now == pytest.approx(m.ep_load_factor)
+            counts = np.asarray(m.global_tokens_per_expert, dtype=np.float64)
+            assert s.hottest[0] == (int(counts.argmax()), pytest.approx(counts.max() / counts.mean()))
+            assert s.rerouted == sum(step.layers[m.layer - 1].rerouted for step in steps.values())
+    main([str(tmp_path), "--plot", str(tmp_path / "large.png")])
+    from PIL import Image
+
+    assert np.asarray(Image.open(tmp_path / "large.png")).shape[:2] == (900, 1000)
