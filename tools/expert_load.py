@@ -11,6 +11,9 @@ experts (tokens over the layer mean, at the last step with per-expert counts, ev
 ``log_images_interval``); dropped and rerouted pairs over the logged steps (capacity modes).
 ``--compare`` sets two runs' MaxVio side by side (e.g. ``qb_bias`` against ``aux_loss``).
 ``--plot`` writes the heatmap of the latest per-expert load and MaxVio over iterations (one PNG).
+``--ranks`` also reads every rank's own TensorBoard run (``rank_<r>``) and lists the most loaded
+ranks: the tokens their experts received over their own EP group's mean (with data parallelism each
+EP group is its own all-to-all), mean over the rank's layers, now and over the run.
 Under pipeline parallelism every layer appears once (the logging rank gathers all stages).
 """
 
@@ -25,9 +28,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_ext.moe.load_history import LoadHistory, read_run  # noqa: E402
+from megatron_ext.moe.load_history import (  # noqa: E402
+    LoadHistory,
+    find_tensorboard_dir,
+    rank_dirs,
+    read_run,
+    read_tensorboard,
+)
 
 NUM_EXTREMES = 3  # hottest / coldest experts listed per layer
+NUM_RANKS_LISTED = 8  # --ranks: the most loaded ranks
 
 
 @dataclass
@@ -167,6 +177,23 @@ def plot(histories: list[LoadHistory], names: list[str], path: str) -> None:
     fig.savefig(path)
 
 
+def rank_table(tensorboard_dir) -> str:
+    """The most loaded ranks by ``moe/ep_rank_load/mean`` at the last logged step."""
+    rows = []
+    for rank, path in rank_dirs(tensorboard_dir).items():
+        its, loads = read_tensorboard(path).series("moe/ep_rank_load/mean")
+        if loads:
+            rows.append((rank, its[-1], loads[-1], sum(loads) / len(loads), max(loads)))
+    if not rows:
+        return f"{tensorboard_dir}: no rank_<r> runs with moe/ep_rank_load"
+    rows.sort(key=lambda row: (-row[2], row[0]))
+    lines = [f"ranks by tokens received over their EP group's mean (mean over their layers), "
+             f"{len(rows)} ranks, the {min(len(rows), NUM_RANKS_LISTED)} most loaded:",
+             f"{'rank':>5} {'iteration':>9} {'now':>7} {'run mean':>8} {'run max':>7}"]
+    lines += [f"{r:5d} {it:9d} {now:7.3f} {mean:8.3f} {top:7.3f}" for r, it, now, mean, top in rows[:NUM_RANKS_LISTED]]
+    return "\n".join(lines)
+
+
 def _name(run_dir: str) -> str:
     return os.path.basename(os.path.normpath(run_dir)) or run_dir
 
@@ -178,6 +205,7 @@ def main(argv=None) -> None:
     parser.add_argument("--source", choices=("auto", "jsonl", "tensorboard"), default="auto",
                         help="auto: metrics.jsonl when present, else the TensorBoard events")
     parser.add_argument("--plot", metavar="OUT.png", help="write the heatmap and MaxVio figure here")
+    parser.add_argument("--ranks", action="store_true", help="also the most loaded ranks, from the rank_<r> runs")
     args = parser.parse_args(argv)
     run_dirs = args.compare or ([args.run_dir] if args.run_dir else [])
     if len(run_dirs) not in (1, 2) or (args.compare and args.run_dir):
@@ -188,6 +216,9 @@ def main(argv=None) -> None:
         parser.exit(2, f"error: {exc}\n")
     names = [_name(d) for d in run_dirs]
     print(compare(*histories, names=tuple(names)) if len(histories) == 2 else report(histories[0]))
+    for run_dir in run_dirs if args.ranks else []:
+        tb = find_tensorboard_dir(run_dir)
+        print(rank_table(tb) if tb is not None else f"{run_dir}: no TensorBoard run for --ranks")
     if args.plot:
         plot(histories, names, args.plot)
         print(f"wrote {args.plot}")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 EXPERT_LOAD_HISTOGRAM = re.compile(r"^moe/expert_load/layer_(\d+)$")
 LAYER_TAG = re.compile(r"^moe/maxvio/layer_(\d+)$")
+RANK_DIR = re.compile(r"^rank_(\d+)$")
 PROGRESS_MIN_BYTES = 16 * 2**20  # smaller event files load in about a second: no progress lines
 
 
@@ -136,6 +137,12 @@ def find_tensorboard_dir(run_dir: str | os.PathLike) -> Path | None:
         if event_files(candidate):
             return candidate
     return None
+
+
+def rank_dirs(tensorboard_dir: str | os.PathLike) -> dict[int, Path]:
+    """The per-rank runs ``rank_<r>`` beside the main run, by rank."""
+    runs = {int(m.group(1)): p for p in Path(tensorboard_dir).iterdir() if p.is_dir() and (m := RANK_DIR.match(p.name))}
+    return dict(sorted(runs.items()))
 
 
 def read_run(run_dir: str | os.PathLike, source: str = "auto", progress_min_bytes: int = PROGRESS_MIN_BYTES,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.moe.load_history import event_files, read_jsonl, read_run, read_tensorboard
-from tools.expert_load import NUM_EXTREMES, compare, main, summarize
+from tools.expert_load import NUM_EXTREMES, compare, main, rank_table, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERS, LOG_INTERVAL, IMAGES_INTERVAL = 20, 2, 10
@@ -132,6 +132,24 @@ def test_tensorboard_heatmap_is_a_readable_figure_and_rank_curves_average_to_one
         assert len(per_rank[0]) == len(factor) == ITERS // LOG_INTERVAL
         np.testing.assert_allclose(np.mean(per_rank, axis=0), 1.0, rtol=1e-6)  # over the mean of the two ranks
         np.testing.assert_allclose(np.max(per_rank, axis=0), factor, rtol=1e-6)
+
+
+def test_ranks_table_equals_recomputation_from_jsonl(ep2_run):
+    """--ranks reads every rank's own run; at the last step (an image step) each rank's load is its
+    block of the jsonl's per-expert counts over the mean block, averaged over the layers."""
+    last = _jsonl_records(ep2_run)[-1]["moe/tokens_per_expert"]
+    now = {}
+    for rank in (0, 1):
+        per_layer = []
+        for counts in last.values():
+            half = len(counts) // 2
+            blocks = [sum(counts[:half]), sum(counts[half:])]
+            per_layer.append(blocks[rank] / (sum(blocks) / 2))
+        now[rank] = sum(per_layer) / len(per_layer)
+    rows = [line.split() for line in rank_table(ep2_run / "tensorboard").splitlines()[2:]]
+    assert [int(r[0]) for r in rows] == sorted(now, key=lambda r: -now[r])  # most loaded first
+    for r in rows:
+        assert int(r[1]) == ITERS and float(r[2]) == pytest.approx(now[int(r[0])], abs=5e-4)  # printed to 3 places
 
 
 def test_pipeline_parallel_layers_appear_once(pp2_run):
