@@ -254,6 +254,10 @@ def main(argv=None) -> None:
     def is_logged(it):  # the same on every rank: the MoE metrics' collectives run on these steps only
         return it % log_cfg.log_interval == 0 or it == train.train_iters
 
+    def is_image_step(it):  # MoE load heatmap and per-expert counts: a logged step
+        interval = log_cfg.log_images_interval
+        return bool(interval) and (it % interval == 0 or it == train.train_iters)
+
     def device_time() -> float:  # the host clock once the device has caught up
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -309,10 +313,12 @@ def main(argv=None) -> None:
                     flops_per_token=flops_per_token if torch.cuda.is_available() else None,
                     peak_tflops=log_cfg.peak_tflops,
                     num_gpus=world,
-                    extra=moe.scalars() if moe is not None else None,
+                    extra=(None if moe is None else
+                           {**moe.scalars(), **(moe.expert_load_record() if is_image_step(iteration) else {})}),
                 )
             if rank_logger is not None and moe is not None and is_logged(iteration):
-                moe.log_tensorboard(rank_logger, iteration, rank, write_heatmap=is_logger)
+                moe.log_tensorboard(rank_logger, iteration, rank,
+                                    global_logger=logger if is_logger and is_image_step(iteration) else None)
             if not applied:  # past max_skipped_nonfinite_steps this raises: no save after it
                 log0(guard.count_skipped_step(iteration, last_saved))
             stop = exit_signal.stop_requested()  # the same on every rank

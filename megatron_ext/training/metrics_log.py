@@ -184,6 +184,23 @@ class MetricsLogger:
         if self.writer is not None:
             self.writer.add_histogram(tag, torch.as_tensor(_plain(values)), iteration, bins=bins)
 
+    def add_scalar(self, tag: str, value: float, iteration: int) -> None:
+        """A scalar outside ``log_iteration`` (e.g. a rank's own expert load in its per-rank run)."""
+        if self.writer is not None:
+            self.writer.add_scalar(tag, _plain(value), iteration)
+
+    def add_bar_histogram(self, tag: str, heights, iteration: int) -> None:
+        """Heights ``[n]`` as a histogram with one unit-wide bucket per index ``0 .. n-1`` (e.g.
+        tokens per expert id): the HISTOGRAMS tab draws them as bars over the index, and the event
+        keeps the exact heights (``bucket``) for tools that read it back."""
+        if self.writer is None:
+            return
+        h = np.asarray(_plain(heights), dtype=np.float64)
+        x = np.arange(h.size, dtype=np.float64)
+        self.writer.add_histogram_raw(tag, min=-0.5, max=h.size - 0.5, num=float(h.sum()), sum=float((x * h).sum()),
+                                      sum_squares=float((x * x * h).sum()), bucket_limits=x + 0.5,
+                                      bucket_counts=h, global_step=iteration)
+
     def add_image(self, tag: str, image, iteration: int, dataformats: str = "HWC") -> None:
         """An image array (uint8 or float in [0, 1]); see ``heatmap_image`` for matrices."""
         if self.writer is not None:

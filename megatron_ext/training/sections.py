@@ -173,10 +173,16 @@ class LoggingConfig:
     eval_interval: int = 1000
     eval_iters: int = 10  # 0 disables evaluation
     peak_tflops: Optional[float] = None  # per-GPU peak for MFU; None: no MFU
+    # MoE load images and per-expert counts (TensorBoard, metrics.jsonl) every N iterations and at the end;
+    # a multiple of log_interval (they are logged steps); 0: never.
+    log_images_interval: int = 100
 
     def __post_init__(self):
         for key in ("log_interval", "eval_interval"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
+        images = self.log_images_interval
+        _require(images >= 0 and images % self.log_interval == 0, "log_images_interval",
+                 f"must be 0 or a multiple of log_interval={self.log_interval}, got {images}")
         _require(self.eval_iters >= 0, "eval_iters", f"must be >= 0, got {self.eval_iters}")
         pk = self.peak_tflops
         _require(pk is None or pk > 0, "peak_tflops", f"must be > 0 or null, got {pk}")

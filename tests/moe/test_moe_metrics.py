@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -109,18 +110,32 @@ def test_bias_statistics_and_tensorboard_calls():
 
     calls = []
 
-    class Recorder:
+    class Recorder:  # the MetricsLogger methods log_tensorboard uses
+        def add_scalar(self, tag, value, iteration):
+            calls.append(("scalar", tag, value, iteration))
+
         def add_histogram(self, tag, values, iteration):
             calls.append(("hist", tag, values.tolist(), iteration))
 
-        def add_heatmap(self, tag, matrix, iteration, vmax=None):
-            calls.append(("heat", tag, matrix.tolist(), iteration))
+        def add_bar_histogram(self, tag, heights, iteration):
+            calls.append(("bars", tag, list(heights), iteration))
 
-    metrics.log_tensorboard(Recorder(), 7, rank=5)
-    assert calls[0] == ("hist", "moe/tokens_per_expert/rank_5/layer_3", m.received_tokens_per_expert, 7)
-    loads = torch.tensor(m.global_tokens_per_expert, dtype=torch.float64)
-    assert calls[1][:2] == ("heat", "moe/load_heatmap")
-    torch.testing.assert_close(torch.tensor(calls[1][2], dtype=torch.float64), (loads / loads.mean()).unsqueeze(0))
+        def add_image(self, tag, image, iteration):
+            calls.append(("image", tag, image, iteration))
+
+    metrics.log_tensorboard(Recorder(), 7, rank=5)  # a logged step without images: this rank's run only
+    assert calls == [("scalar", "moe/ep_rank_load/layer_3", 1.0, 7),  # EP1: the rank is the whole group
+                     ("hist", "moe/tokens_per_expert/rank_5/layer_3", m.received_tokens_per_expert, 7),
+                     ("scalar", "moe/ep_rank_load/mean", 1.0, 7)]
+    calls.clear()
+    metrics.log_tensorboard(Recorder(), 8, rank=5, global_logger=Recorder())
+    assert calls[3] == ("bars", "moe/expert_load/layer_3", m.global_tokens_per_expert, 8)
+    kind, tag, image, iteration = calls[4]
+    assert (kind, tag, iteration) == ("image", "moe/load_heatmap", 8)
+    assert image.shape == (560, 1000, 3) and image.dtype == np.uint8 and image.std() > 20  # a figure, not blank
+    assert metrics.expert_load_record() == {"moe/tokens_per_expert": {"3": m.global_tokens_per_expert}}
+    assert metrics.load_matrix().tolist() == [[c / (sum(m.global_tokens_per_expert) / E)
+                                               for c in m.global_tokens_per_expert]]
 
 
 def _ep2_worker(rank, world):
@@ -146,4 +161,8 @@ def test_ep2_global_metrics_agree_on_both_ranks_and_equal_direct_computation():
     assert (m0.dropped, m0.rerouted) == (m1.dropped, m1.rerouted)
     assert m0.received_tokens_per_expert == global_counts[:E // 2].tolist()
     assert m1.received_tokens_per_expert == global_counts[E // 2:].tolist()
+    received = [sum(m0.received_tokens_per_expert), sum(m1.received_tokens_per_expert)]
+    assert (m0.ep_rank_load, m1.ep_rank_load) == pytest.approx([r / (sum(received) / 2) for r in received])
+    assert m0.ep_most_loaded_rank == m1.ep_most_loaded_rank == received.index(max(received))
     assert results[0][0].scalars() == results[1][0].scalars()
+    assert results[0][0].scalars()["moe/ep_size"] == 2

@@ -86,3 +86,22 @@ def test_heatmap_image_scales_to_colors_and_disabled_logger_writes_nothing(tmp_p
     log = MetricsLogger(10, str(tmp_path / "tb"), str(tmp_path / "m"), enabled=False, print_fn=None)
     rec = log.log_iteration(1, **_random_steps(2, 1)[0])
     assert rec["iteration"] == 1 and not (tmp_path / "m").exists() and not (tmp_path / "tb").exists()
+
+
+def test_bar_histogram_keeps_exact_heights_per_index(tmp_path):
+    """Tokens per expert id go to TensorBoard as one histogram bucket per expert (read back exactly)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    heights = np.random.default_rng(3).integers(0, 10**9, size=256)
+    log = MetricsLogger(10, tensorboard_dir=str(tmp_path))
+    log.add_bar_histogram("moe/expert_load/layer_2", heights, 5)
+    log.add_scalar("moe/ep_rank_load/mean", 1.25, 5)
+    log.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0, "scalars": 0})
+    acc.Reload()
+    (event,) = acc.Histograms("moe/expert_load/layer_2")
+    h = event.histogram_value
+    assert event.step == 5 and list(h.bucket) == heights.tolist()
+    assert list(h.bucket_limit) == [j + 0.5 for j in range(256)] and (h.min, h.max) == (-0.5, 255.5)
+    assert h.num == heights.sum() and h.sum == pytest.approx((np.arange(256) * heights).sum())
+    assert [(e.step, e.value) for e in acc.Scalars("moe/ep_rank_load/mean")] == [(5, 1.25)]
