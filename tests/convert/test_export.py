@@ -22,6 +22,7 @@ from megatron_ext.convert.kimi_config import to_kimi_config
 from megatron_ext.errors import ConfigError
 from tests._dist import run_distributed
 from tests.convert import workers
+from tests.convert.hf import OURS_L2NORM, transformers_logits
 
 transformers = pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,32 +74,15 @@ def test_exported_files_are_the_released_layout(trained):
     assert bias.dtype == torch.float32 and bias.abs().sum() > 0  # qb_bias moved it in training
 
 
-def _transformers_logits(hf_dir, tokens, l2norm=None):
-    import transformers.models.kimi_linear.modeling_kimi_linear as modeling
-
-    original = modeling.l2norm
-    if l2norm is not None:
-        modeling.l2norm = l2norm
-    try:
-        model, info = transformers.KimiLinearForCausalLM.from_pretrained(hf_dir, output_loading_info=True,
-                                                                         dtype=torch.float32)
-        model.eval()
-        with torch.no_grad():
-            return model(tokens).logits, info
-    finally:
-        modeling.l2norm = original
-
-
 def test_transformers_loads_export_with_equal_logits(trained):
     tokens = torch.randint(0, 257, (2, 80), generator=torch.Generator().manual_seed(0))  # crosses a 64-chunk
     (ours,) = run_distributed(workers.logits, 1, str(trained / "ckpt"), {}, tokens)
-    theirs, info = _transformers_logits(str(trained / "hf"), tokens)
+    theirs, info = transformers_logits(str(trained / "hf"), tokens)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     scale = float(theirs.abs().max())
     assert float((ours - theirs).abs().max()) <= 5e-5 * scale
     # Labelled: transformers with its q/k l2norm replaced by ours (x / max(|x|, 1e-12)): the rest agrees to 5e-6.
-    ours_l2 = lambda x, dim=-1, eps=1e-6: torch.nn.functional.normalize(x, dim=dim)  # noqa: E731
-    patched, _ = _transformers_logits(str(trained / "hf"), tokens, l2norm=ours_l2)
+    patched, _ = transformers_logits(str(trained / "hf"), tokens, l2norm=OURS_L2NORM)
     assert float((ours - patched).abs().max()) <= 5e-6 * scale
     # And the comparison is sensitive: another token sequence gives other logits.
     assert float((ours - ours.roll(1, dims=1)).abs().max()) > 1e-2 * scale
