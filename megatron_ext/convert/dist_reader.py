@@ -74,4 +74,7 @@ class DistCheckpointReader:
             meta = self.tensors[key]
             request[key] = ShardedTensor.from_rank_offsets(
                 key, torch.empty(meta.global_shape, dtype=meta.dtype), replica_id=0)
-        return dist_checkpointing.load(request, self.path) if request else {}
+        if not request:
+            return {}
+        loaded = dist_checkpointing.load(request, self.path)  # also merges in the common state: dropped
+        return {key: loaded[key] for key in keys}
