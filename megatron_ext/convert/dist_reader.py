@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -31,10 +32,8 @@ def one_rank_group():
     owned = not dist.is_initialized()
     if owned:
         if not torch.cuda.is_available():
-            cpu_compat.install()
-        import socket
-
-        with socket.socket() as s:
+            cpu_compat.install()  # dist_checkpointing calls CUDA synchronisation helpers
+        with socket.socket() as s:  # a free local port
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -38,6 +38,7 @@ FIXED_KEYS = {
     "mla_use_nope": (True, "MLA layers have no positional encoding"),
     "moe_router_activation_func": ("sigmoid", "router scores are sigmoid"),
 }
+REQUIRED_KEYS = ("num_hidden_layers", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
 LINEAR_ATTN_KEYS = {"kda_layers", "full_attn_layers", "head_dim", "num_heads", "short_conv_kernel_size"}
 
 
@@ -140,6 +141,10 @@ def from_kimi_config(hf: dict) -> dict:
     hf = {ALIASES.get(k, k): v for k, v in hf.items()}
     if hf.get("model_type") != MODEL_TYPE:
         raise ConfigError(f"config.json model_type={hf.get('model_type')!r}; expected {MODEL_TYPE!r}")
+    absent = [k for k in REQUIRED_KEYS if k not in hf]
+    if absent:
+        raise ConfigError(f"config.json lacks {absent} (transformers' defaults are Kimi-Linear-48B's; this "
+                          "converter asks for the sizes)")
     for key, (value, why) in FIXED_KEYS.items():
         if key in hf and hf[key] != value:
             raise ConfigError(f"config.json {key}={hf[key]!r} is not supported: only {value!r} ({why})")
