@@ -98,7 +98,10 @@ def import_checkpoint(hf_dir: str, ckpt_dir: str, layout: dict | None = None, mo
         fields = from_kimi_config(json.load(f))
     if "num_moe_experts" in fields:
         fields["moe_balancer"] = moe_balancer
-    HybridConfig(params_dtype=torch.float32, use_cpu_initialization=True, **fields, **layout)  # the layout fits
+    try:  # the layout fits the model (heads, experts divisible, ...)
+        HybridConfig(params_dtype=torch.float32, use_cpu_initialization=True, **fields, **layout)
+    except ValueError as exc:  # Megatron's TransformerConfig checks raise ValueError
+        raise ConfigError(f"layout {layout} does not fit the model: {exc}") from exc
     source = SafetensorsDir(hf_dir)
     cfg = HybridConfig(params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
                        perform_initialization=False, **fields)

@@ -119,3 +119,11 @@ def test_import_bad_input_names_the_tensor_or_key(hf_dir, tmp_path, edit_tensors
 def test_import_refuses_a_bias_the_balancer_cannot_keep(hf_dir, tmp_path):
     with pytest.raises(ConfigError, match="e_score_correction_bias is non-zero"):
         import_checkpoint(str(hf_dir), str(tmp_path / "ckpt"), moe_balancer="none")
+
+
+def test_cli_refuses_a_layout_the_model_cannot_take(hf_dir, tmp_path):
+    cmd = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "import", str(hf_dir), str(tmp_path / "c"),
+           "--tensor-model-parallel-size", "3"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "num_attention_heads (4) must be a multiple of tensor_model_parallel_size (3)" in result.stderr

@@ -9,7 +9,8 @@ from megatron.core import parallel_state as ps
 from megatron_ext import cpu_compat
 
 
-def _model_for(ckpt_dir: str, layout: dict, bf16: bool = False):
+def _model_for(ckpt_dir: str, layout: dict):
+    """The fp32 model of the checkpoint's config under ``layout`` (weights not loaded)."""
     from megatron_ext.convert.dist_reader import DistCheckpointReader
     from megatron_ext.convert.export import hybrid_config_from_saved
     from megatron_ext.config import USER_FIELDS, HybridConfig
@@ -18,9 +19,7 @@ def _model_for(ckpt_dir: str, layout: dict, bf16: bool = False):
     cpu_compat.install()
     saved = DistCheckpointReader(ckpt_dir).common()["config"]
     base = hybrid_config_from_saved(saved)
-
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    config = HybridConfig(params_dtype=dtype, pipeline_dtype=dtype, bf16=bf16, use_cpu_initialization=True,
+    config = HybridConfig(params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
                           **{k: getattr(base, k) for k in USER_FIELDS}, **layout)
     initialize_parallel(config, seed=1)
     return config, build_model_chunks(config)
