@@ -124,3 +124,21 @@ def test_hybrid_mla_model_layout_matches_one_rank(tmp_path, world, layout):
     losses = [r["loss"] for r in results if r["loss"] is not None]
     assert losses and all(abs(l - one["loss"]) < 1e-5 for l in losses), (losses, one["loss"])
     harness.assert_grads_match(one["grads"], results, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_mla_bf16_on_cuda_matches_fp32_cpu(one_rank_megatron):
+    """Kimi-Linear-sized heads (keys 128 + 64, values 128: SDPA with a value dim unlike the key's) in bf16."""
+    dims = dict(kv_lora_rank=64, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
+    config = HybridConfig(num_layers=1, hidden_size=256, num_attention_heads=4, attention_pattern="M",
+                          params_dtype=torch.float32, use_cpu_initialization=True, **dims)
+    torch.manual_seed(0)
+    layer = MLAttention(config)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    x = torch.randn(256, 2, 256)
+    expected, _ = layer(x)
+    gpu, _ = layer.cuda().bfloat16()(x.cuda().bfloat16())
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(gpu.float().cpu(), expected, rtol=0, atol=3e-2 * scale)
