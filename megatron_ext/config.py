@@ -28,6 +28,7 @@ from megatron_ext.moe.quantile_capacity import DEVICE_ROUNDS
 ATTENTION_KINDS = {
     "A": "full causal softmax attention (SDPA, NoPE)",
     "K": "Kimi Delta Attention (megatron_ext.kda)",
+    "M": "multi-head latent attention, NoPE (megatron_ext.layers.mla), Kimi Linear's full attention",
 }
 KDA_GATES = ("lower_bound", "softplus")
 KDA_GATE_LOWER_BOUND_RANGE = (-5.0, 0.0)  # [lo, hi): the kernel's dense-tile path needs g >= -5
@@ -94,6 +95,18 @@ class HybridConfig(TransformerConfig):
     kda_gate_lower_bound: float = -5.0
     kda_conv_size: int = 4
     kda_gate_rank: int | None = None
+    # A bias on the output gate's up projection (ours so far). Kimi Linear has none (g_b_proj):
+    # false for checkpoints that convert to Hugging Face's format.
+    kda_output_gate_bias: bool = True
+    # MLA layers ("M" in attention_pattern), Megatron's MLATransformerConfig names: heads are
+    # num_attention_heads; q_lora_rank must stay None (Kimi Linear projects queries directly);
+    # keys are qk_head_dim channels from the latent plus qk_pos_emb_head_dim channels shared by
+    # all heads (not rotated: NoPE); values v_head_dim.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     # Block Attention Residuals (DESIGN.md section 4, megatron_ext/attn_res): each sublayer's
     # input is a softmax over depth of the embedding, the finished block sums and the block's
     # partial sum. Blocks: attn_res_num_blocks N (must divide the 2 * num_layers sublayers;
@@ -143,6 +156,7 @@ class HybridConfig(TransformerConfig):
         if self.moe_balancer not in MOE_BALANCERS:
             raise ConfigError(f"moe_balancer={self.moe_balancer!r}; allowed: {', '.join(MOE_BALANCERS)}")
         self._validate_kda()
+        self._validate_mla()
         from megatron_ext.attn_res.validation import validate_attn_res
 
         validate_attn_res(self, ConfigError)
@@ -188,6 +202,19 @@ class HybridConfig(TransformerConfig):
             if value is not None and value < 1:
                 raise ConfigError(f"{key}={value} must be >= 1")
 
+    def _validate_mla(self):
+        if self.q_lora_rank is not None:
+            raise ConfigError(f"q_lora_rank={self.q_lora_rank}: only null is supported (MLA queries are "
+                              "projected directly, as in Kimi Linear)")
+        for key in ("kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{key}={value!r} must be an int >= 1")
+        if not isinstance(self.qk_pos_emb_head_dim, int) or self.qk_pos_emb_head_dim < 0:
+            raise ConfigError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim!r} must be an int >= 0")
+        if not isinstance(self.kda_output_gate_bias, bool):
+            raise ConfigError(f"kda_output_gate_bias={self.kda_output_gate_bias!r} must be true or false")
+
     # --- Derived -----------------------------------------------------------------------------
     def attention_kind(self, layer_index: int) -> str:
         """Attention kind of the 0-based global layer ``layer_index``."""
@@ -232,6 +259,7 @@ USER_FIELDS = (
     "moe_shared_expert_intermediate_size",
     "moe_layer_freq",
     "moe_router_score_function",
+    "moe_router_topk_scaling_factor",
     "moe_aux_loss_coeff",
     "moe_router_bias_update_rate",
     "moe_expert_capacity_factor",
@@ -246,6 +274,12 @@ USER_FIELDS = (
     "kda_gate_lower_bound",
     "kda_conv_size",
     "kda_gate_rank",
+    "kda_output_gate_bias",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
     "attn_res",
     "attn_res_num_blocks",
     "attn_res_block_size",

@@ -9,6 +9,8 @@ as in Megatron-LM's MFU. Per layer and token, ``h`` hidden, ``s`` sequence lengt
   gate ``2 (h r + r H d)`` each, beta ``2 h H``, and the chunked kernel ``H (6 d^2 + 4 C d)``
   (state read for the output and for the WY correction and the state update: ``3 x 2 d^2``;
   intra-chunk q.k and k.k products and the WY products over ``C / 2`` keys on average: ``4 C d``);
+* MLA (NoPE, no query low rank; ``dq = dn + dr``): queries ``2 h H dq``, latent ``2 h (r + dr)``,
+  its expansion ``2 r H (dn + dv)``, output ``2 H dv h``, scores and values ``H (dq + dv) s``;
 * dense SwiGLU MLP ``6 h f``; MoE ``2 h E`` (router) + ``k 6 h f_e`` + shared ``6 h f_s``;
 * the output layer ``2 h V`` (``V`` the padded vocabulary).
 
@@ -27,6 +29,13 @@ def _attention_flops(cfg, seq: int) -> float:
     n_q = cfg.num_attention_heads
     n_kv = cfg.num_query_groups or n_q
     return 2 * h * (n_q + 2 * n_kv) * d + 2 * n_q * d * h + 2 * n_q * d * seq
+
+
+def _mla_flops(cfg, seq: int) -> float:
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    dn, dr, dv, r = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    projections = 2 * h * heads * (dn + dr) + 2 * h * (r + dr) + 2 * r * heads * (dn + dv) + 2 * heads * dv * h
+    return projections + heads * (dn + dr + dv) * seq
 
 
 def _kda_flops(cfg) -> float:
@@ -52,13 +61,15 @@ def _mlp_flops(cfg, layer: int) -> float:
 
 def flops_breakdown(cfg, seq_length: int) -> dict[str, float]:
     """Forward FLOPs per token of ``cfg`` (a ``HybridConfig``), summed over layers, per term:
-    ``attention`` (full-attention layers), ``kda`` (KDA layers), ``mlp`` (dense and MoE) and
+    ``attention`` (full-attention and MLA layers), ``kda`` (KDA layers), ``mlp`` (dense and MoE) and
     ``output`` (the output layer)."""
     terms = {"attention": 0.0, "kda": 0.0, "mlp": 0.0,
              "output": float(2 * cfg.hidden_size * cfg.padded_vocab_size())}
     for layer in range(cfg.num_layers):
         if cfg.attention_kind(layer) == "K":
             terms["kda"] += _kda_flops(cfg)
+        elif cfg.attention_kind(layer) == "M":
+            terms["attention"] += _mla_flops(cfg, seq_length)
         else:
             terms["attention"] += _attention_flops(cfg, seq_length)
         terms["mlp"] += _mlp_flops(cfg, layer)

@@ -2,7 +2,7 @@
 
 One function per level, each a plain Megatron ``ModuleSpec`` seam:
 
-* :func:`attention_spec` - the attention sublayer for an attention kind ("A" full, "K" KDA);
+* :func:`attention_spec` - the attention sublayer for an attention kind ("A" full, "K" KDA, "M" MLA);
 * :func:`mlp_spec` - the MLP sublayer (dense SwiGLU or our MoE layer);
 * :func:`layer_spec` - one ``TransformerLayer`` from the two;
 * :func:`decoder_block_spec` - the ``TransformerBlockSubmodules`` of the layers this pipeline
@@ -41,6 +41,7 @@ from megatron_ext.config import ConfigError, HybridConfig
 from megatron_ext.kda import kda_attention_spec
 from megatron_ext.layers.attention import SDPAttention
 from megatron_ext.layers.lm_loss import HybridGPTModel
+from megatron_ext.layers.mla import mla_attention_spec
 from megatron_ext.layers.norm import RMSNorm
 
 
@@ -63,6 +64,7 @@ def full_attention_spec(config: HybridConfig) -> ModuleSpec:
 ATTENTION_SPECS: dict[str, Callable[[HybridConfig], ModuleSpec]] = {
     "A": full_attention_spec,
     "K": kda_attention_spec,
+    "M": mla_attention_spec,
 }
 
 

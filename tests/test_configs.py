@@ -9,7 +9,8 @@ from megatron_ext.parallel import validate_layout
 from megatron_ext.training.arguments import TRAINING_SECTIONS, ParallelConfig, load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-WORLD = {"tiny.yaml": 2, "h200.yaml": 1, "h200x2.yaml": 2, "cluster-64gpu.yaml": 64, "cluster-512gpu.yaml": 512}
+WORLD = {"tiny.yaml": 2, "h200.yaml": 1, "h200x2.yaml": 2, "cluster-64gpu.yaml": 64, "cluster-512gpu.yaml": 512,
+         "kimi-linear-tiny.yaml": 2, "kimi-linear-h200x8.yaml": 8}
 
 
 def _load(name: str, world: int):

@@ -44,3 +44,23 @@ def test_bf16_training_on_one_gpu(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_ep2_training_on_two_gpus(tmp_path):
     _check(_train(tmp_path, "h200x2.yaml", 2, 8), 8)
+
+
+@pytest.mark.gpu
+def test_kimi_linear_config_trains_in_bf16_and_exports(tmp_path):
+    """configs/kimi-linear-tiny.yaml (KDA softplus + MLA) on one GPU in bf16, then exported."""
+    flags = ["--bf16", "--expert-model-parallel-size", "1", "--save", str(tmp_path / "ckpt")]
+    cmd = [sys.executable, str(ROOT / "launch" / "train.py"), "--config", str(ROOT / "configs" / "kimi-linear-tiny.yaml"),
+           "--train-iters", "12", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-iters", "0",
+           "--tensorboard-dir", "", "--metrics-dir", str(tmp_path), *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-6000:]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["lm_loss"] for r in records if "lm_loss" in r]
+    assert len(losses) == 12 and all(math.isfinite(l) for l in losses) and losses[-1] < losses[0], losses
+    export = subprocess.run([sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "export",
+                             str(tmp_path / "ckpt"), str(tmp_path / "hf")], capture_output=True, text=True,
+                            timeout=600, cwd=ROOT)
+    assert export.returncode == 0, export.stderr[-4000:]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["linear_attn_config"]["full_attn_layers"] == [4]

@@ -118,9 +118,10 @@ class KDAAttention(TPShardedModule):
         self.f_proj = LowRankProjection(
             config, submodules.column_linear, hidden, dims.gate_rank, key_dim, False, self.tp_group
         )
-        # Output gate: the up projection has a bias, as in Kimi Linear.
+        # Output gate: the up projection's bias is optional (Kimi Linear's g_b_proj has none).
         self.g_proj = LowRankProjection(
-            config, submodules.column_linear, hidden, dims.gate_rank, key_dim, True, self.tp_group
+            config, submodules.column_linear, hidden, dims.gate_rank, key_dim, config.kda_output_gate_bias,
+            self.tp_group,
         )
         A_log, dt_bias = init_decay_parameters(dims.num_heads, dims.head_dim)
         device = param_device(config)

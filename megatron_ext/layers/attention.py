@@ -21,7 +21,8 @@ class SDPAttention(MegatronModule):
     """Core attention on tensor-parallel-local heads.
 
     Shapes (Megatron's convention): query ``[sq, b, np, hn]``, key/value ``[sk, b, ng, hn]`` with
-    ``np`` a multiple of ``ng`` (grouped-query attention); returns ``[sq, b, np * hn]``.
+    ``np`` a multiple of ``ng`` (grouped-query attention); value ``[sk, b, ng, hv]``; returns
+    ``[sq, b, np * hv]``.
     """
 
     def __init__(
@@ -68,4 +69,5 @@ class SDPAttention(MegatronModule):
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
-        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)
+        # The value head dim may differ from the query's (MLA).
+        return out.permute(2, 0, 1, 3).reshape(sq, b, np_ * out.shape[-1])

@@ -20,15 +20,21 @@ from tests.parallel import harness
 SEQ, BATCH, HIDDEN = 16, 2, 32
 
 
-# --- one KDA layer -------------------------------------------------------------------------------
-def _layer(tp: int, sequence_parallel: bool):
+# --- one attention layer (KDA, or MLA for the same tests) -----------------------------------------
+# MLA: 4 heads, latent rank 8, 6 key channels per head + 4 shared, values of 5 (all distinct, so a
+# swapped split fails).
+MLA = dict(kv_lora_rank=8, qk_head_dim=6, qk_pos_emb_head_dim=4, v_head_dim=5)
+
+
+def _layer(tp: int, sequence_parallel: bool, kind: str = "K"):
     from megatron_ext.kda import KDAAttention
+    from megatron_ext.layers.mla import MLAttention
 
     config = harness.tiny_config(
         dict(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel), False,
-        num_layers=1, attention_pattern="K", kda_num_heads=4, kda_head_dim=16, kda_gate_rank=8,
+        num_layers=1, attention_pattern=kind, kda_num_heads=4, kda_head_dim=16, kda_gate_rank=8, **MLA,
     )
-    return KDAAttention(config)
+    return {"K": KDAAttention, "M": MLAttention}[kind](config)
 
 
 def _inputs():
@@ -54,12 +60,12 @@ def _run_layer(layer, x, cotangent, sequence_parallel: bool):
     return {"out": out.detach(), "dx": x.grad, "grads": harness.collect_grads([holder])}
 
 
-def layer_reference(rank, world_size, ckpt_dir: str):
-    """One rank: build a layer with random (perturbed) weights, save them, run it."""
+def layer_reference(rank, world_size, ckpt_dir: str, kind: str = "K"):
+    """One rank: build a layer (attention ``kind``) with random (perturbed) weights, save them, run it."""
     cpu_compat.install()
     ps.initialize_model_parallel(1, 1)
     torch.manual_seed(harness.SEED)
-    layer = _layer(1, False)
+    layer = _layer(1, False, kind)
     with torch.no_grad():  # every parameter random (init leaves the norm at 1, a bias at 0)
         for p in layer.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -67,13 +73,13 @@ def layer_reference(rank, world_size, ckpt_dir: str):
     return _run_layer(layer, *_inputs(), sequence_parallel=False)
 
 
-def layer_tensor_parallel(rank, world_size, ckpt_dir: str):
+def layer_tensor_parallel(rank, world_size, ckpt_dir: str, kind: str = "K"):
     """TP = world_size, with and without sequence parallelism, from the saved weights."""
     cpu_compat.install()
     ps.initialize_model_parallel(world_size, 1)
     results = {}
     for sp in (True, False):
-        layer = _layer(world_size, sp)
+        layer = _layer(world_size, sp, kind)
         layer.load_state_dict(dist_checkpointing.load(layer.sharded_state_dict(), ckpt_dir))
         results[sp] = _run_layer(layer, *_inputs(), sequence_parallel=sp)
     return results
