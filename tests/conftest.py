@@ -1,4 +1,4 @@
-"""Shared pytest setup: GPU tests are skipped where no CUDA device exists."""
+"""Shared pytest setup: GPU tests are skipped where no CUDA device exists; a one-rank Megatron fixture."""
 
 import os
 
@@ -16,3 +16,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def one_rank_megatron():
+    """A one-process gloo group and Megatron's parallel state (TP = 1), for the module that asks for it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext import cpu_compat
+    from tests._dist import free_port
+
+    cpu_compat.install()
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    ps.initialize_model_parallel(1, 1)
+    yield
+    ps.destroy_model_parallel()
+    if owned:
+        dist.destroy_process_group()

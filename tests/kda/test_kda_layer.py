@@ -2,15 +2,13 @@
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state as ps
 
 from kernels.kda import chunk_kda, naive_recurrent_kda
-from megatron_ext import cpu_compat
 from megatron_ext.config import ConfigError, HybridConfig
 from megatron_ext.kda import KDAAttention
-from tests._dist import free_port
+
+pytestmark = pytest.mark.usefixtures("one_rank_megatron")  # tests/conftest.py
 
 SEQ, BATCH, HIDDEN, HEADS, HEAD_DIM, RANK = 72, 2, 48, 3, 16, 8  # SEQ crosses a 64-token chunk
 
@@ -23,19 +21,6 @@ def kda_config(**overrides):
     )
     return HybridConfig(**{**fields, **overrides})
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_megatron():
-    """A one-process gloo group and Megatron's parallel state (TP = 1), for this module only."""
-    cpu_compat.install()
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    yield
-    ps.destroy_model_parallel()
-    if owned:
-        dist.destroy_process_group()
 
 
 def assert_close_to_scale(actual, expected, rel=1e-4, name=""):

@@ -3,13 +3,10 @@ positions, and under TP2 (with and without sequence parallelism) equals one rank
 
 import pytest
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
-from megatron_ext import cpu_compat
 from megatron_ext.config import ConfigError, HybridConfig
 from megatron_ext.layers.mla import LATENT_NORM_EPS, MLAttention
-from tests._dist import free_port, run_distributed
+from tests._dist import run_distributed
 from tests.kda import runner
 from tests.parallel import harness
 
@@ -23,17 +20,6 @@ def mla_config(**overrides):
     return HybridConfig(**{**fields, **overrides})
 
 
-@pytest.fixture(scope="module")
-def one_rank_megatron():
-    cpu_compat.install()
-    owned = not dist.is_initialized()
-    if owned:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    yield
-    ps.destroy_model_parallel()
-    if owned:
-        dist.destroy_process_group()
 
 
 def reference_mla(x, p):
