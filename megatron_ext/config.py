@@ -155,6 +155,9 @@ class HybridConfig(TransformerConfig):
             raise ConfigError(f"normalization={self.normalization!r}: only 'RMSNorm' is supported")
         if self.moe_balancer not in MOE_BALANCERS:
             raise ConfigError(f"moe_balancer={self.moe_balancer!r}; allowed: {', '.join(MOE_BALANCERS)}")
+        if self.num_moe_experts and self.moe_balancer == "aux_loss" and not self.moe_aux_loss_coeff > 0:
+            raise ConfigError(f"moe_balancer='aux_loss' needs moe_aux_loss_coeff > 0 (e.g. 1e-2, Switch "
+                              f"Transformer's), got {self.moe_aux_loss_coeff!r}")
         self._validate_kda()
         self._validate_mla()
         from megatron_ext.attn_res.validation import validate_attn_res

@@ -55,6 +55,7 @@ def test_one_rank_checkpoint_loads_into_tp2_pp2_ep2(tmp_path, precision):
     "flags,message",
     [
         (["--hiden-size", "8"], "unknown config key 'hiden_size'"),
+        (["--moe-balancer", "aux_loss"], "moe_balancer='aux_loss' needs moe_aux_loss_coeff > 0"),
         (["--num-layers", "3", "--attn-res-num-blocks", "3", "--expert-model-parallel-size", "1",
           "--pipeline-model-parallel-size", "2"], "num_layers=3 is not divisible by pipeline"),
     ],

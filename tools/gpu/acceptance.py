@@ -171,7 +171,8 @@ def window_figures(recs: dict[int, dict]) -> dict:
 def step_balancers(work: Path) -> dict:
     rows, passed = {}, True
     for balancer in BALANCERS:
-        run = train(work / f"bal-{balancer}", "--moe-balancer", balancer, "--train-iters", str(BALANCER_ITERS),
+        coeff = ["--moe-aux-loss-coeff", "1e-2"] if balancer == "aux_loss" else []
+        run = train(work / f"bal-{balancer}", "--moe-balancer", balancer, *coeff, "--train-iters", str(BALANCER_ITERS),
                     "--log-interval", str(BALANCER_LOG_INTERVAL), "--save", "")
         ok = run["rc"] == 0 and len(run["records"]) == BALANCER_ITERS // BALANCER_LOG_INTERVAL and all(
             math.isfinite(r["lm_loss"]) for r in run["records"].values())
