@@ -205,6 +205,9 @@ def test_the_structural_model_keys_are_model_config_keys():
     from megatron_ext.training.checkpoint_compat import STRUCTURAL_MODEL_KEYS, model_differences
 
     assert set(STRUCTURAL_MODEL_KEYS) <= set(USER_FIELDS)
+    # the MLA layer's sizes and KDA's output-gate bias change parameter shapes too
+    assert {"kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+            "kda_output_gate_bias"} <= set(STRUCTURAL_MODEL_KEYS)
     saved = {"num_layers": 4, "hidden_size": 64, "lr": 0.1, "tensor_model_parallel_size": 1}
     now = {"num_layers": 4, "hidden_size": 32, "lr": 0.2, "tensor_model_parallel_size": 2}
     assert model_differences(saved, now) == ["hidden_size: 64 in the checkpoint, 32 now"]
