@@ -94,12 +94,8 @@ class KDAAttention(TPShardedModule):
     ):
         super().__init__(config=config)
         submodules = submodules or KDAAttentionSubmodules()
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-        if get_pg_size(pg_collection.cp) > 1:
-            raise ConfigError("KDA layers do not support context_parallel_size > 1 yet")
+        self._use_tp_group(pg_collection, "KDA")
         self.layer_number = layer_number
-        self.tp_group = pg_collection.tp
         self.dims = dims = kda_dims(config, get_pg_size(self.tp_group))
         self.lower_bound = config.kda_gate_lower_bound if config.kda_gate == "lower_bound" else None
         hidden, key_dim = config.hidden_size, dims.num_heads * dims.head_dim

@@ -10,6 +10,7 @@ they carry Megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes, 
 from __future__ import annotations
 
 import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (
@@ -18,6 +19,8 @@ from megatron.core.transformer.utils import (
     sharded_state_dict_default,
 )
 from megatron.core.utils import get_pg_rank, get_pg_size
+
+from megatron_ext.errors import ConfigError
 
 
 def param_device(config) -> torch.device:
@@ -45,6 +48,15 @@ def head_split_parameter(global_values: torch.Tensor, tp_group, device, dtype) -
 
 class TPShardedModule(MegatronModule):
     """A ``MegatronModule`` whose own TP-split parameters are checkpointed as TP shards."""
+
+    def _use_tp_group(self, pg_collection, layer_kind: str) -> None:
+        """Take ``pg_collection``'s TP group (Megatron's global groups when None) as ``self.tp_group``; a
+        context-parallel group of more than one rank is refused, naming ``layer_kind``."""
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        if get_pg_size(pg_collection.cp) > 1:
+            raise ConfigError(f"{layer_kind} layers do not support context_parallel_size > 1 yet")
+        self.tp_group = pg_collection.tp
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         own = {}

@@ -90,12 +90,8 @@ class MLAttention(TPShardedModule):
     ):
         super().__init__(config=config)
         submodules = submodules or MLAttentionSubmodules()
-        if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-        if get_pg_size(pg_collection.cp) > 1:
-            raise ConfigError("MLA layers do not support context_parallel_size > 1 yet")
+        self._use_tp_group(pg_collection, "MLA")
         self.layer_number = layer_number
-        self.tp_group = pg_collection.tp
         self.dims = d = mla_dims(config, get_pg_size(self.tp_group))
         hidden = config.hidden_size
 
