@@ -165,7 +165,6 @@ def sharded_training_state(chunks, optimizer, *, for_loading: bool, with_optimiz
     return state
 
 
-
 def save_checkpoint(
     save_dir: str,
     iteration: int,

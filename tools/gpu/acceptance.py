@@ -261,9 +261,11 @@ def device() -> str:
 
 def summary_line(name: str, result: dict) -> str:
     state = {True: "passed", False: "FAILED", None: "skipped"}[result.get("passed")]
-    figures = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and k not in ("passed", "why")}
+    figures = {k: v for k, v in result.items()
+               if isinstance(v, (int, float, str)) and k not in ("name", "passed", "why", "tail")}
     text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in list(figures.items())[:6])
-    return f"{name:<12} {state:<8} {result.get('why', '')}{text}"
+    why = f"{result['why']}; " if result.get("why") else ""
+    return f"{name:<12} {state:<8} {why}{text}"
 
 
 def run_steps(args) -> int:
