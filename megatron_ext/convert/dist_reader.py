@@ -9,7 +9,6 @@ Needs a process group (one gloo rank is enough): :func:`one_rank_group`.
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 
 import torch
@@ -18,7 +17,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.training.checkpointing import find_latest_checkpoint
+from megatron_ext.training.checkpointing import find_latest_checkpoint, is_complete_checkpoint
 
 # Prefixes of the model's own tensors (the rest: optimizer state, RNG, ...).
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
@@ -46,7 +45,7 @@ def one_rank_group():
 
 def resolve_checkpoint(path: str) -> str:
     """``path`` itself when it is one checkpoint (``iter_XXXXXXX``), else its newest complete one."""
-    if os.path.isfile(os.path.join(path, "metadata.json")):
+    if is_complete_checkpoint(path):
         return path
     found = find_latest_checkpoint(path)
     if found is None:

@@ -85,7 +85,7 @@ def _write_atomic(path: str, text: str) -> None:
     _fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
-def _is_complete(path: str) -> bool:
+def is_complete_checkpoint(path: str) -> bool:
     # dist_checkpointing writes metadata.json last (after all shards), so it marks completion.
     return os.path.isfile(os.path.join(path, "metadata.json"))
 
@@ -241,7 +241,7 @@ def complete_checkpoints(load_dir: str) -> list[tuple[int, str]]:
     found = []
     for name in os.listdir(load_dir):
         match = _ITER_RE.match(name)
-        if match and _is_complete(os.path.join(load_dir, name)):
+        if match and is_complete_checkpoint(os.path.join(load_dir, name)):
             found.append((int(match.group(1)), os.path.join(load_dir, name)))
     found.sort(reverse=True)
     try:
@@ -294,7 +294,7 @@ def load_checkpoint(
             return None
     else:
         path = os.path.join(load_dir, checkpoint_name(iteration))
-        if not _is_complete(path):
+        if not is_complete_checkpoint(path):
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no metadata.json)")
         candidates = [(iteration, path)]
     _require_process_group("load_checkpoint")
