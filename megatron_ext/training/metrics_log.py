@@ -58,18 +58,6 @@ def peak_memory_gb() -> float:
     return kb / 2**20 if sys.platform != "darwin" else kb / 2**30
 
 
-def heatmap_image(matrix, vmax: Optional[float] = None) -> np.ndarray:
-    """A ``[rows, cols]`` matrix as an HWC uint8 image (black -> red -> yellow -> white),
-    each cell 8x8 pixels, for ``add_image`` (e.g. layers x experts token counts)."""
-    m = np.asarray(matrix, dtype=np.float64)
-    if m.ndim != 2:
-        raise ValueError(f"heatmap needs a 2-D matrix, got shape {m.shape}")
-    top = float(vmax if vmax is not None else (m.max() if m.size else 1.0)) or 1.0
-    x = np.clip(m / top, 0.0, 1.0) * 3.0
-    rgb = np.stack([np.clip(x, 0, 1), np.clip(x - 1, 0, 1), np.clip(x - 2, 0, 1)], axis=-1)
-    return np.repeat(np.repeat((rgb * 255).astype(np.uint8), 8, axis=0), 8, axis=1)
-
-
 def format_progress_line(iteration: int, train_iters: int, metrics: dict) -> str:
     """`` iteration       10/     100 | consumed samples: ... | ...`` like Megatron-LM."""
     parts = [f" iteration {iteration:8d}/{train_iters:8d}"]
@@ -202,12 +190,9 @@ class MetricsLogger:
                                       bucket_counts=h, global_step=iteration)
 
     def add_image(self, tag: str, image, iteration: int, dataformats: str = "HWC") -> None:
-        """An image array (uint8 or float in [0, 1]); see ``heatmap_image`` for matrices."""
+        """An image array (uint8 or float in [0, 1]), e.g. ``megatron_ext.moe.load_figures``' rendered figure."""
         if self.writer is not None:
             self.writer.add_image(tag, np.asarray(image), iteration, dataformats=dataformats)
-
-    def add_heatmap(self, tag: str, matrix, iteration: int, vmax: Optional[float] = None) -> None:
-        self.add_image(tag, heatmap_image(matrix, vmax), iteration)
 
     def _write_jsonl(self, record: dict) -> None:
         if self._jsonl is not None:
