@@ -7,8 +7,8 @@ Steps (``--steps``, comma-separated; each has its own time limit and records ``n
   must equal run A's. Run B's losses before the kill, against run A's, show whether training itself repeats bit
   for bit on this GPU: when it does, the resume must be bitwise; when it does not, the resume may differ by no
   more than the same two runs differ before the kill (times RUN_TO_RUN_SLACK, as differences grow over steps);
-* ``sigterm`` - the same job gets SIGTERM past KILL_AFTER, must save where it stands and exit 0, and the resume
-  must continue with run A's losses under the rule above;
+* ``sigterm`` - the same job, started by ``launch/torchrun.sh``, gets SIGTERM past KILL_AFTER, must save where it
+  stands and exit 0, and the resume must continue with run A's losses under the rule above;
 * ``balancers`` - each balancer trains BALANCER_ITERS iterations of ``configs/h200.yaml``: tokens/s (median of
   the logged windows after the first), MaxVio, dropped and rerouted pairs;
 * ``tensorboard`` - run A's TensorBoard run holds the scalars, the per-rank histograms and the load heatmap;
@@ -18,7 +18,12 @@ Steps (``--steps``, comma-separated; each has its own time limit and records ``n
   rounding differs between layouts: within EP2_TOLERANCE).
 
 A checkpoint of this model with its optimizer state is ~46 GB (3.3B parameters: bf16 weights, fp32 main weights
-and two moments) and the H200 machine has 64 GB of disk, so the steps keep one checkpoint at a time.
+and two moments) and the H200 machine has 64 GB of disk, so the steps keep one checkpoint at a time, in a tmpfs
+(``/dev/shm``) when it has room: the steps check what a checkpoint holds and how a resume continues, not the disk.
+Each run records when its first and last iteration were logged (start-up and save/load times follow from them).
+
+``--config`` and ``--extra`` exist for a dry run of the script itself on the CPU (e.g. ``--config configs/tiny.yaml
+--extra="--expert-model-parallel-size 1"``); the GPU run uses the defaults.
 
 ``python tools/gpu/acceptance.py merge A.json B.json --out C.json`` joins the JSON of two calls of one commit.
 """
@@ -26,12 +31,14 @@ and two moments) and the H200 machine has 64 GB of disk, so the steps keep one c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -39,7 +46,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "h200.yaml"
+DEFAULT_CONFIG = ROOT / "configs" / "h200.yaml"
+TMPFS, TMPFS_MIN_FREE_GB = Path("/dev/shm"), 60
 RESUME_ITERS, SAVE_INTERVAL, KILL_AFTER = 30, 10, 15
 BALANCERS = ("none", "aux_loss", "sign_bias", "qb_bias", "qb_capacity", "qb_both")
 BALANCER_ITERS, BALANCER_LOG_INTERVAL = 30, 5
@@ -48,32 +56,73 @@ EP2_TOLERANCE = 2e-2  # relative: bf16 sums in another order over 10 steps
 COMMON = ["--lr-warmup-iters", "10", "--eval-iters", "0"]
 
 
-def train(run_dir: Path, *flags: str, nproc: int = 1, kill_after: int | None = None, sig=signal.SIGKILL,
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Where the steps run and what they train: ``work`` holds the runs' logs, ``checkpoints`` their checkpoints."""
+    work: Path
+    checkpoints: Path
+    config: Path = DEFAULT_CONFIG
+    extra: tuple[str, ...] = ()
+
+
+def checkpoint_root(work: Path) -> Path:
+    """The tmpfs when it has room for a checkpoint of the H200 model, else beside the logs."""
+    if TMPFS.is_dir() and shutil.disk_usage(TMPFS).free / 1e9 >= TMPFS_MIN_FREE_GB:
+        return TMPFS / "acceptance-checkpoints"
+    return work / "checkpoints"
+
+
+def train(job: Job, name: str, *flags: str, nproc: int = 1, kill_after: int | None = None, sig=signal.SIGKILL,
           timeout: float = 300) -> dict:
-    """launch/train.py under torchrun; with ``kill_after``, ``sig`` goes to the job once metrics.jsonl holds that
-    iteration. Returns the exit code, the wall time, the log's tail and {iteration: record} of the train records."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "launch" / "train.py"), "--config", str(CONFIG), *COMMON,
-           "--metrics-dir", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"), *flags]
+    """launch/train.py, logging to ``job.work/name``. With ``kill_after``, ``sig`` goes to the job once
+    metrics.jsonl holds that iteration: SIGKILL to every process under plain torchrun, as a node failure would;
+    SIGTERM to ``launch/torchrun.sh`` alone, as SLURM's ``--signal`` reaches the batch script (torchrun.sh passes
+    it to the workers; torchrun signalled itself would exit 1 and give them only its 30 s shutdown timeout).
+    Returns the exit code, the wall time, the seconds at which the first and the last iteration were logged, the
+    log's tail and {iteration: record} of the train records."""
+    run_dir = job.work / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier call on this machine
+    run_dir.mkdir(parents=True)
+    args = ["--config", str(job.config), *COMMON, *job.extra,
+            "--metrics-dir", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"), *flags]
+    env = dict(os.environ)
+    if sig == signal.SIGTERM:
+        cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"), *args]
+        env.update(PYTHON=sys.executable, GPUS_PER_NODE=str(nproc), MASTER_PORT=str(free_port()))
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(ROOT / "launch" / "train.py"), *args]
     log = open(run_dir / "log.txt", "w")
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    signalled = False
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
+    signalled, first_logged, last_logged, seen = False, None, None, 0
     while proc.poll() is None:
         if time.monotonic() - start > timeout:
             os.killpg(proc.pid, signal.SIGKILL)
             break
+        logged = len(records(run_dir))
+        if logged > seen:
+            seen, last_logged = logged, round(time.monotonic() - start, 1)
+            first_logged = first_logged or last_logged
         if kill_after is not None and not signalled and max(records(run_dir), default=0) >= kill_after:
-            # SIGKILL: the whole process group, as a node failure would; SIGTERM: as SLURM sends it, to all.
-            os.killpg(proc.pid, sig)
+            os.killpg(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
             signalled = True
         time.sleep(0.2)
     proc.wait()
     log.close()
     text = (run_dir / "log.txt").read_text()
-    return {"rc": proc.returncode, "seconds": round(time.monotonic() - start, 1), "tail": text[-3000:],
-            "records": records(run_dir)}
+    return {"rc": proc.returncode, "seconds": round(time.monotonic() - start, 1), "first_logged_s": first_logged,
+            "last_logged_s": last_logged, "tail": text[-3000:], "records": records(run_dir)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def timing(*runs: dict) -> list[dict]:
+    return [{k: run[k] for k in ("seconds", "first_logged_s", "last_logged_s")} for run in runs]
 
 
 def records(run_dir: Path) -> dict[int, dict]:
@@ -119,41 +168,43 @@ def disk_gb(path: Path) -> float:
     return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9, 2)
 
 
-def step_resume(work: Path) -> dict:
-    a = train(work / "A", "--train-iters", str(RESUME_ITERS), "--save", "", "--log-interval", "1")
+def step_resume(job: Job) -> dict:
+    a = train(job, "A", "--train-iters", str(RESUME_ITERS), "--save", "", "--log-interval", "1")
     if a["rc"] != 0 or len(a["records"]) != RESUME_ITERS:
         return {"passed": False, "why": "uninterrupted run failed", "tail": a["tail"]}
-    ckpt = work / "B" / "ckpt"
-    b = train(work / "B", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt),
+    ckpt = job.checkpoints / "B"
+    shutil.rmtree(job.checkpoints, ignore_errors=True)  # one checkpoint at a time
+    b = train(job, "B", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt),
               "--save-interval", str(SAVE_INTERVAL), "--log-interval", "1", kill_after=KILL_AFTER)
     saved = last_checkpoint(ckpt)
-    c = train(work / "C", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "", "--log-interval", "1")
+    c = train(job, "C", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "", "--log-interval", "1")
     if c["rc"] != 0:
         return {"passed": False, "why": "resume failed", "tail": c["tail"]}
     result = compare_resume(a["records"], b["records"], c["records"], saved)
     return {**result, "killed_rc": b["rc"], "killed_at_iteration": max(b["records"], default=0),
-            "checkpoint_gb": disk_gb(ckpt), "tokens_per_sec_A": window_figures(a["records"])["tokens_per_sec"],
-            "seconds": {"A": a["seconds"], "B": b["seconds"], "C": c["seconds"]}}
+            "checkpoint_gb": disk_gb(ckpt), "checkpoint_dir": str(job.checkpoints),
+            "tokens_per_sec_A": window_figures(a["records"])["tokens_per_sec"],
+            "timing": dict(zip("ABC", timing(a, b, c)))}
 
 
-def step_sigterm(work: Path) -> dict:
-    reference = records(work / "A")
+def step_sigterm(job: Job) -> dict:
+    reference = records(job.work / "A")
     if len(reference) != RESUME_ITERS:
         return {"passed": False, "why": "needs the resume step's run A in the same call"}
-    shutil.rmtree(work / "B" / "ckpt", ignore_errors=True)  # room for this step's checkpoint
-    ckpt = work / "T" / "ckpt"
-    t = train(work / "T", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt), "--save-interval", "100",
+    shutil.rmtree(job.checkpoints / "B", ignore_errors=True)  # room for this step's checkpoint
+    ckpt = job.checkpoints / "T"
+    t = train(job, "T", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt), "--save-interval", "100",
               "--log-interval", "1", kill_after=KILL_AFTER, sig=signal.SIGTERM)
     saved = last_checkpoint(ckpt)
     if t["rc"] != 0 or saved < KILL_AFTER:
         return {"passed": False, "why": f"SIGTERM: rc {t['rc']}, saved at {saved}", "tail": t["tail"]}
-    r = train(work / "T2", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "",
+    r = train(job, "T2", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "",
               "--log-interval", "1")
     shutil.rmtree(ckpt, ignore_errors=True)
     if r["rc"] != 0:
         return {"passed": False, "why": "resume after SIGTERM failed", "tail": r["tail"]}
     result = compare_resume(reference, t["records"], r["records"], saved)
-    return {**result, "saved_at_iteration": saved, "seconds": {"T": t["seconds"], "T2": r["seconds"]}}
+    return {**result, "saved_at_iteration": saved, "timing": dict(zip(("T", "T2"), timing(t, r)))}
 
 
 def window_figures(recs: dict[int, dict]) -> dict:
@@ -168,24 +219,24 @@ def window_figures(recs: dict[int, dict]) -> dict:
             "lm_loss_last": last["lm_loss"], "mfu_percent": last.get("mfu_percent")}
 
 
-def step_balancers(work: Path) -> dict:
+def step_balancers(job: Job) -> dict:
     rows, passed = {}, True
     for balancer in BALANCERS:
         coeff = ["--moe-aux-loss-coeff", "1e-2"] if balancer == "aux_loss" else []
-        run = train(work / f"bal-{balancer}", "--moe-balancer", balancer, *coeff, "--train-iters", str(BALANCER_ITERS),
+        run = train(job, f"bal-{balancer}", "--moe-balancer", balancer, *coeff, "--train-iters", str(BALANCER_ITERS),
                     "--log-interval", str(BALANCER_LOG_INTERVAL), "--save", "")
         ok = run["rc"] == 0 and len(run["records"]) == BALANCER_ITERS // BALANCER_LOG_INTERVAL and all(
             math.isfinite(r["lm_loss"]) for r in run["records"].values())
-        rows[balancer] = {"passed": ok, "seconds": run["seconds"],
+        rows[balancer] = {"passed": ok, **timing(run)[0],
                           **(window_figures(run["records"]) if run["records"] else {"tail": run["tail"]})}
         passed &= ok
     return {"passed": passed, "iterations": BALANCER_ITERS, "rows": rows}
 
 
-def step_tensorboard(work: Path) -> dict:
+def step_tensorboard(job: Job) -> dict:
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
-    tb = work / "A" / "tb"
+    tb = job.work / "A" / "tb"
     if not tb.exists():
         return {"passed": False, "why": "needs the resume step's run A in the same call"}
     mux = EventMultiplexer().AddRunsFromDirectory(str(tb))
@@ -221,16 +272,16 @@ def pytest_step(*args: str, timeout: float) -> dict:
 FLA_TEST = "tests/kernels/test_kda.py::test_bf16_on_gpu_matches_fla"
 
 
-def step_ep2(work: Path) -> dict:
+def step_ep2(job: Job) -> dict:
     import torch
 
     if torch.cuda.device_count() < 2:
         return {"passed": None, "skipped": "one GPU on this machine"}
-    reference, ckpt = records(work / "A"), work / "B" / "ckpt"
+    reference, ckpt = records(job.work / "A"), job.checkpoints / "B"
     if len(reference) != RESUME_ITERS or not last_checkpoint(ckpt):
         return {"passed": False, "why": "needs the resume step's runs A and B in the same call"}
     resumed_from = last_checkpoint(ckpt)
-    run = train(work / "EP2", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "",
+    run = train(job, "EP2", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "",
                 "--expert-model-parallel-size", "2", "--log-interval", "1", nproc=2)
     post = range(resumed_from + 1, RESUME_ITERS + 1)
     if run["rc"] != 0 or any(i not in run["records"] for i in post):
@@ -245,8 +296,8 @@ STEPS = {
     "sigterm": step_sigterm,
     "balancers": step_balancers,
     "tensorboard": step_tensorboard,
-    "gpu-tests": lambda work: pytest_step("tests", "--deselect", FLA_TEST, timeout=480),
-    "fla-test": lambda work: pytest_step(FLA_TEST, timeout=420),
+    "gpu-tests": lambda job: pytest_step("tests", "--deselect", FLA_TEST, timeout=480),
+    "fla-test": lambda job: pytest_step(FLA_TEST, timeout=420),
     "ep2": step_ep2,
 }
 
@@ -271,15 +322,18 @@ def summary_line(name: str, result: dict) -> str:
 def run_steps(args) -> int:
     out = Path(args.out)
     work = Path(args.work)
+    job = Job(work=work, checkpoints=checkpoint_root(work), config=Path(args.config).resolve(),
+              extra=tuple(args.extra.split()))
     report = {"commit": args.commit, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-              "device": device(), "config": str(CONFIG.relative_to(ROOT)), "steps": []}
+              "device": device(), "config": str(job.config.relative_to(ROOT)), "extra_flags": list(job.extra),
+              "steps": []}
     for name in args.steps.split(","):
         if name not in STEPS:
             raise SystemExit(f"unknown step {name!r}; steps: {', '.join(STEPS)}")
         print(f"=== {name} {time.strftime('%H:%M:%S')}", flush=True)
         start = time.monotonic()
         try:
-            result = STEPS[name](work)
+            result = STEPS[name](job)
         except Exception as exc:  # a step's crash is its failure; the others still run
             result = {"passed": False, "why": f"{type(exc).__name__}: {exc}"}
         result = {"name": name, **result, "step_seconds": round(time.monotonic() - start, 1)}
@@ -309,7 +363,9 @@ def main() -> int:
     parser.add_argument("paths", nargs="*", help="with 'merge' first: the JSON files to join")
     parser.add_argument("--steps", default="resume,ep2,tensorboard,sigterm,balancers,gpu-tests")
     parser.add_argument("--out", default="acceptance-h200.json")
-    parser.add_argument("--work", default="/tmp/acceptance", help="run directories (checkpoints, logs)")
+    parser.add_argument("--work", default="/tmp/acceptance", help="run directories (logs; checkpoints unless in tmpfs)")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the training config (a CPU dry run: tiny.yaml)")
+    parser.add_argument("--extra", default="", help="flags added to every launch/train.py run (a CPU dry run)")
     parser.add_argument("--commit", default=os.environ.get("ACCEPTANCE_COMMIT", "unknown"))
     args = parser.parse_args()
     if args.paths[:1] == ["merge"]:
