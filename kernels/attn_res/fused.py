@@ -12,9 +12,10 @@ two): stream the n sources once with an online softmax, rescaling an fp32 accumu
 is read exactly once; writes ``out`` and ``lse [T]`` (fp32 log-sum-exp of the logits).
 
 Backward (persistent grid of one wave, each program loops over token tiles; a tile's loads are all issued
-before its first store), one pass over the sources: ``c = sum_i a_i (dout . v_i) = dout . out`` comes from the saved output (the
-sublayer's norm keeps that tensor alive anyway) and ``a_i = exp(logit_i - lse)``, so per
-source ``v . v``, ``v . u`` and ``dout . v`` are reduced together and
+before its first store), one pass over the sources: ``a_i = exp(logit_i - lse)``, per source ``v . v``,
+``v . u`` and ``dout . v`` are reduced together, ``c = sum_i a_i (dout . v_i)`` is summed from them (where a
+kernel sees only some of a call's sources, ``c = dout . out`` from the saved output, kept in fp32 for that:
+docs/attn_res.md, "Precision of c") and
 
     dv_i = a_i dout + dlogit_i r_i (u - logit_i r_i v_i / h),   dlogit_i = a_i (dout . v_i - c)
 

@@ -1,5 +1,5 @@
 """The depth-attention backward kernel and the kernel that adds up its per-program partial sums (launched by
-``backward.py`` with the launch table ``fused.BACKWARD_LAUNCH``; docs/attn_res.md, "Backward").
+``backward.py`` with the launch table ``fused.BACKWARD_LAUNCH``; docs/attn_res.md, "Kernels and files").
 
 The backward issues the loads of a token tile (all n sources, the output and its gradient) before any store,
 with the sources held as loaded in tuples, so a program keeps many bytes in flight (a streaming kernel that
@@ -235,7 +235,7 @@ def _depth_attention_finish_kernel(
         # P is a compile-time constant (the backward's one-wave grid: one value per device and specialisation), so
         # the loop unrolls; the rows are added elementwise into a [BLOCK_P, BLOCK] accumulator and reduced across
         # threads once at the end, so the loads do not wait on a cross-warp reduction each (a runtime loop with a
-        # reduction per BLOCK_P rows took 0.318 ms over the benchmark's 17 calls against 0.086, H200 sweep).
+        # reduction per BLOCK_P rows was ~4x slower: docs/bench/attnres-sweep-finish-h200.json).
         acc2 = tl.zeros([BLOCK_P, BLOCK], tl.float32)
         for p0 in tl.static_range(0, P, BLOCK_P):
             prow = p0 + tl.arange(0, BLOCK_P)

@@ -77,8 +77,8 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     # small calls. One row over 4 warps, two programs per SM (<= 255 registers), as measured fastest
     # (docs/bench/attnres-sweep-h200.json); the own pass capped (BACKWARD_LAUNCH.subset_maxnreg) to three per SM.
     # Spills: at most 64 bytes (n = 9 with the norm spills ~40 to L1 with Triton 3.8; without the reload ~840;
-    # the widest pair 44 since its row sums are reduced four sources at a time, 120 one at a time, docs/attn_res.md);
-    # more means the tile or the kept scalars grew.
+    # the widest pair 44 since its row sums are reduced four sources at a time, 120 one at a time,
+    # docs/bench/history/attn_res-notes.md); more means the tile or the kept scalars grew.
     import kernels.attn_res.fused as fused
 
     # a pair's second call (subset): its output saved in fp32, its mix gradient handed on, its own pass capped as

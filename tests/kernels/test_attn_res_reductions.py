@@ -4,8 +4,8 @@ rows and their squares, reduces them together (``row_sums2``: ``tl.reduce`` over
 one ``tl.sum`` each under the interpreter) and stores each source's two sums where that source's plain sums belong:
 a mapping error (a swapped split, a wrong join order) puts another source's sum there. On the GPU the stacked sums
 are also compared with one source per reduction bit for bit: the kernels' backward recomputes the forward's logits
-with a batch size that may differ (``sources_per_reduction`` of the launch tables by each call's width), and the softmax weights
-it rebuilds are exact only if the order of the additions does not depend on the batch.
+with a batch size that may differ (``sources_per_reduction`` of the launch tables by each call's width), and the
+softmax weights it rebuilds are exact only if the order of the additions does not depend on the batch.
 
 The interpreter cases run in a ``TRITON_INTERPRET=1`` subprocess started by ``test_cases_under_interpreter``.
 """
