@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call that checks and times everything (see docs/benchmarks.md).
 # Usage on the GPU machine, from the repo root, with the cp312 wheels in .whl/:
-#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,moe,routing,kda,
+#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-config,moe,routing,kda,
 #                                          e2e,e2e-ab,e2e2,profile (and moe2, rmsnorm)
 # Each step has its own time limit, logs to $OUT/session.log and writes its JSON under $OUT.
 # Independent steps can share one call on a two-GPU machine, one track per GPU:
@@ -39,6 +39,7 @@ step train ${TRAIN_LIMIT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovide
 step attnres ${ATTNRES_LIMIT:-150} python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
 # AttnRes with and without the paired backward (attn_res_pair_backward) as more models of the same interleaved rounds
 step attnres-ab ${ATTNRES_LIMIT:-240} python3 tools/bench_attnres.py --ab-pair --out "$OUT/attnres-ab-h200.json"
+step attnres-config ${ATTNRES_CONFIG_LIMIT:-420} python3 tools/bench_attnres_config.py --out "$OUT/attnres-config-h200.json"
 step moe ${MOE_LIMIT:-60} python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
 step moe2 ${MOE_LIMIT:-60} torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
 step routing 45 python3 tools/bench_routing.py --out "$OUT/routing-h200.json"
