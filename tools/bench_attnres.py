@@ -37,17 +37,14 @@ if "--smoke" in sys.argv:  # the Triton interpreter must be chosen before triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
-import functools
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
-from tools.sweep_attnres_kernels import layout, layout_changes  # noqa: E402
 
 DEFAULT_OUT = "docs/bench/attnres-h200.json"
 GPU_MODEL = dict(
@@ -82,12 +79,6 @@ def parse_args(argv=None):
     p.add_argument("--ab-pair", action="store_true",
                    help="also time AttnRes without the paired backward, a third model in the interleaved rounds: "
                         "attnres_unpaired_step_ms")
-    p.add_argument("--ab-backward", action="store_true",
-                   help="also time the AttnRes step with the depth-attention backward as on main (streaming kernel, "
-                        "no paired backward), in the same process: attnres_main_backward_step_ms")
-    p.add_argument("--ab-kernel", default="", metavar="NAMES",
-                   help="comma list of tools/sweep_attnres_kernels.py CONFIGS names (or a+b: both changes): the AttnRes "
-                        "model with that kernel layout as one more model in the interleaved rounds (kernel_layouts)")
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps (default: off, as in training's manual_gc)")
     p.add_argument("--ab-adamw", action="store_true",
@@ -95,21 +86,7 @@ def parse_args(argv=None):
                         "speed_patches.SMALL_TENSOR_NUMEL), in the same process: the adamw_per_tensor entry")
     p.add_argument("--profile", choices=("standard", "attnres"), default=None,
                    help="instead of timing: profile 3 training steps of one model, print kernel and operator tables")
-    p.add_argument("--profile-layout", default="", metavar="NAME",
-                   help="with --profile attnres: the depth-attention kernels in that --ab-kernel layout")
-    args = p.parse_args(argv)
-    from tools.sweep_attnres_kernels import CONFIGS
-
-    known = dict(CONFIGS)
-    args.ab_kernel = [name for name in args.ab_kernel.split(",") if name]
-    bad = [part for name in args.ab_kernel for part in name.split("+") if part not in known]
-    if bad:
-        p.error(f"--ab-kernel: unknown layouts {bad}; known: {', '.join(known)}")
-    args.kernel_layouts = {name: layout_changes(name) for name in args.ab_kernel}
-    bad = [part for part in args.profile_layout.split("+") if part and part not in known]
-    if bad or (args.profile_layout and args.profile != "attnres"):
-        p.error(f"--profile-layout: needs --profile attnres and known layouts (unknown: {bad})")
-    return args
+    return p.parse_args(argv)
 
 
 def make_config(model: dict, bf16: bool, attn_res: bool, inplace_source_grads: bool = True, fuse_norm: bool = True,
@@ -136,15 +113,12 @@ def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=No
 
 
 def time_interleaved(configs: dict, shape: dict, warmup: int, rounds: int, steps_per_round: int,
-                     manual_gc: bool = True, scopes: dict | None = None) -> dict:
+                     manual_gc: bool = True) -> dict:
     """The models of ``configs`` (name -> config, the baseline first) resident at once, timed in alternating
-    rounds (``bench_common.time_interleaved_training_steps``); ``scopes[name]`` is entered around that model's
-    steps."""
+    rounds (``bench_common.time_interleaved_training_steps``)."""
     from megatron_ext.parallel import build_model_chunks
 
-    scopes = scopes or {}
-    models = {name: (lambda config=config: build_model_chunks(config), config,
-                     *([scopes[name]] if name in scopes else [])) for name, config in configs.items()}
+    models = {name: (lambda config=config: build_model_chunks(config), config) for name, config in configs.items()}
     first = next(iter(configs.values()))
     return bench_common.time_interleaved_training_steps(
         models, first.vocab_size, shape["seq"], shape["micro_batch"], warmup, rounds, steps_per_round,
@@ -186,13 +160,10 @@ def profile_model(args, config, shape: dict, cuda: bool) -> str:
 
     active, warmup = 3, args.warmup if args.warmup is not None else 3
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    scope = layout(layout_changes(args.profile_layout)) if args.profile_layout else contextlib.nullcontext()
-    with scope, profile(activities=activities,
-                        schedule=schedule(wait=warmup, warmup=1, active=active, repeat=1)) as prof:
+    with profile(activities=activities, schedule=schedule(wait=warmup, warmup=1, active=active, repeat=1)) as prof:
         census = SyncCensus(max(warmup - 1, 0), prof) if cuda else prof  # the last unrecorded step's syncs
         step = time_training_step(config, shape, warmup + 1 + active, 0, profiler=census)
-    name = args.profile + (f" (kernel layout {args.profile_layout})" if args.profile_layout else "")
-    head = f"# Profile: bench_attnres `{name}` model, step {step['step_ms']:.1f} ms under the profiler\n"
+    head = f"# Profile: bench_attnres `{args.profile}` model, step {step['step_ms']:.1f} ms under the profiler\n"
     return head + "\n" + report(prof, active, cuda, census.sites if cuda else None)
 
 
@@ -219,24 +190,12 @@ def run(args) -> dict:
                                   fuse_norm=args.fuse_norm, pair_backward=args.pair_backward)
     unpaired_config = dataclasses.replace(attn_res_config, attn_res_pair_backward=False)
     more = {"attnres_unpaired": unpaired_config} if args.ab_pair else {}
-    layouts = {f"attnres:{name}": attn_res_config for name in args.kernel_layouts}
-    scopes = {f"attnres:{name}": functools.partial(layout, changes) for name, changes in args.kernel_layouts.items()}
-    interleaved = time_interleaved({"standard": standard_config, "attnres": attn_res_config, **more, **layouts}, shape,
+    interleaved = time_interleaved({"standard": standard_config, "attnres": attn_res_config, **more}, shape,
                                    warmup, args.rounds or (10 if cuda else 2), args.steps_per_round or (4 if cuda else 1),
-                                   manual_gc=gc_on, scopes=scopes)
+                                   manual_gc=gc_on)
     standard = time_training_step(standard_config, shape, steps, warmup, manual_gc=gc_on)
     attn_res = time_training_step(attn_res_config, shape, steps, warmup, manual_gc=gc_on)
     ab = {}
-    if args.ab_backward:  # the backward as on main: streaming kernel, every mixer's backward on its own
-        import kernels.attn_res.fused as fused
-
-        kernel_before, fused.BACKWARD_KERNEL = fused.BACKWARD_KERNEL, "stream"
-        try:
-            main_backward = time_training_step(unpaired_config, shape, steps, warmup, manual_gc=gc_on)
-        finally:
-            fused.BACKWARD_KERNEL = kernel_before
-        ab = {"attnres_main_backward_step_ms": main_backward["step_ms"],
-              "attnres_main_backward_peak_mem_gb": main_backward["peak_mem_gb"]}
     if args.ab_adamw:  # the small tensors' AdamW as before: a launch each
         numel_before, speed_patches.SMALL_TENSOR_NUMEL = speed_patches.SMALL_TENSOR_NUMEL, 0
         try:
@@ -257,11 +216,6 @@ def run(args) -> dict:
         "round_ms": {name: interleaved[name]["round_ms"] for name in ("standard", "attnres", *more)},
         **({"attnres_unpaired_step_ms": interleaved["attnres_unpaired"]["step_ms"],
             "overhead_round_median_unpaired": interleaved["ratio_median"]["attnres_unpaired"] - 1} if more else {}),
-        **({"kernel_layouts": {name: {"changes": changes, "step_ms": interleaved[f"attnres:{name}"]["step_ms"],
-                                      "round_ms": interleaved[f"attnres:{name}"]["round_ms"],
-                                      "host_ms": interleaved[f"attnres:{name}"]["host_ms"],
-                                      "overhead_round_median": interleaved["ratio_median"][f"attnres:{name}"] - 1}
-                               for name, changes in args.kernel_layouts.items()}} if layouts else {}),
         "sequential": {"standard_step_ms": standard["step_ms"], "attnres_step_ms": attn_res["step_ms"]},
         **ab,
         "standard_optimizer_ms": standard["optimizer_ms"],
@@ -297,12 +251,8 @@ def print_table(r: dict) -> None:
          f"{r['attnres_optimizer_ms']:.2f} ms"),
         *([(f"  AdamW a launch per tensor: {name} step / optimizer", f"{per_tensor[name + '_step_ms']:.2f} ms",
             f"{per_tensor[name + '_optimizer_ms']:.2f} ms") for name in ("standard", "attnres")] if per_tensor else []),
-        *([("  ... with main's backward (A/B)", f"{r['attnres_main_backward_step_ms']:.2f} ms",
-             f"{r['attnres_main_backward_peak_mem_gb']:.2f} GB")] if "attnres_main_backward_step_ms" in r else []),
         *([("  AttnRes without the paired backward (interleaved)", f"{r['attnres_unpaired_step_ms']:.2f} ms",
             f"{r['overhead_round_median_unpaired']:+.1%}")] if "attnres_unpaired_step_ms" in r else []),
-        *[(f"  AttnRes, kernel layout {name} (interleaved)", f"{v['step_ms']:.2f} ms", f"{v['overhead_round_median']:+.1%}")
-          for name, v in r.get("kernel_layouts", {}).items()],
         ("depth attention fwd+bwd, Triton", f"{r['kernel_ms']:.3f} ms", ""),
         ("depth attention fwd+bwd, PyTorch", f"{r['reference_ms']:.3f} ms", ""),
     ]

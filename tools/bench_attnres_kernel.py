@@ -9,16 +9,11 @@ The kernel gets the sources as a list of separate tensors (as the model produces
 reference gets them pre-stacked, so the stack copy a caller of the reference would pay is not
 counted against it.
 
-``--sweep``: also time the kernel over a few tile sizes (``fused.FORWARD_TILE_ELEMENTS`` and
-``fused.BACKWARD_TILE_ELEMENTS``) and report them under ``sweep``; the defaults in
-``kernels/attn_res/fused.py`` should be set to the best of these.
-
 ``--schedule``: also time one training step's depth-attention calls (N = 8 blocks over 16
 sublayers and the final mix: n = 1, 2, 2, 3, 3, ..., 9, 9; blocks' grads summed in place, the
-sublayer norms fused, stand-in sublayers ``p = x / 2``) forward + backward, with the backward as
-on main (``stream``: streaming kernel, each mixer's backward on its own), the preload kernel alone
-(``preload``) and the preload kernel with the attention/MLP mixers' backwards paired
-(``preload+pair``, the default): the A/B of the backward in one process, under ``schedule``.
+sublayer norms fused, stand-in sublayers ``p = x / 2``) forward + backward, each mixer's backward on its
+own (``unpaired``) and with the attention/MLP mixers' backwards paired (``pair``, the model's default,
+``attn_res_pair_backward``), under ``schedule``. Launch choices are compared across commits, not here.
 
 ``--smoke``: tiny fp32 shapes on the CPU under Triton's interpreter (the wall time of one call
 instead of do_bench, no memory numbers); checks the code paths, not the speed. JSON is
@@ -48,9 +43,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help=f"JSON path (GPU default: {DEFAULT_OUT}; smoke: none)")
     parser.add_argument("--smoke", action="store_true", help="tiny fp32 shapes on the CPU Triton interpreter")
-    parser.add_argument("--sweep", action="store_true", help="also time the kernel over tile sizes")
     parser.add_argument("--schedule", action="store_true",
-                        help="also time one step's 17 depth-attention calls: main's backward vs preload vs preload+pair")
+                        help="also time one step's 17 depth-attention calls, unpaired and paired")
     return parser.parse_args(argv)
 
 
@@ -159,39 +153,7 @@ def bench_shape(n, tokens, hidden, device, dtype_name, smoke):
     return row
 
 
-SWEEP_TILES = (1024, 2048, 4096, 8192, 16384)
-SMOKE_SWEEP_TILES = (256, 1024)  # with h = 48 (padded to 64): 4 and 16 tokens per tile
-
-
-def sweep_tiles(n, tokens, hidden, device, dtype_name, smoke):
-    """Kernel forward ms per forward tile size and forward+backward ms per backward tile size."""
-    import torch
-
-    import kernels.attn_res.fused as fused
-
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
-    leaves, grad_out = make_inputs(n, tokens, hidden, device, dtype, seed=n)
-    forward, forward_backward = make_steps("kernel", leaves, grad_out)
-    defaults = fused.FORWARD_TILE_ELEMENTS, fused.BACKWARD_TILE_ELEMENTS
-    sweep = {"n": n, "T": tokens, "h": hidden, "default_tiles": list(defaults), "fwd_ms": {}, "fwd_bwd_ms": {}}
-    tiles = SMOKE_SWEEP_TILES if smoke else SWEEP_TILES
-    try:
-        for tile in tiles:
-            fused.FORWARD_TILE_ELEMENTS = tile
-            sweep["fwd_ms"][tile] = median_ms(forward, smoke)
-        fused.FORWARD_TILE_ELEMENTS = defaults[0]
-        for tile in tiles:
-            fused.BACKWARD_TILE_ELEMENTS = tile
-            sweep["fwd_bwd_ms"][tile] = median_ms(forward_backward, smoke)
-    finally:
-        fused.FORWARD_TILE_ELEMENTS, fused.BACKWARD_TILE_ELEMENTS = defaults
-    print(f"sweep n={n}: fwd ms by tile {_fmt(sweep['fwd_ms'])}; fwd+bwd ms by bwd tile {_fmt(sweep['fwd_bwd_ms'])}")
-    return sweep
-
-
-SCHEDULE_VARIANTS = {  # name: (fused.BACKWARD_KERNEL, pair the layer's two mixers)
-    "stream": ("stream", False), "preload": ("preload", False), "preload+pair": ("preload", True),
-}
+SCHEDULE_VARIANTS = {"unpaired": False, "pair": True}  # name: pair the layer's two mixers (DepthPair)
 
 
 def schedule_step(device, dtype, tokens, hidden, layers=8, seed=0):
@@ -235,29 +197,21 @@ def schedule_step(device, dtype, tokens, hidden, layers=8, seed=0):
 
 
 def time_schedule(device, dtype_name, tokens, hidden, smoke):
-    """Forward+backward ms of one step's depth-attention calls per backward variant, and each
-    variant's max relative difference to ``stream`` (its grads)."""
+    """Forward+backward ms of one step's depth-attention calls, unpaired and paired, and the paired grads' max
+    relative difference to the unpaired ones."""
     import torch
-
-    import kernels.attn_res.fused as fused
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     step = schedule_step(device, dtype, tokens, hidden, layers=2 if smoke else 8)
-    kernel_before = fused.BACKWARD_KERNEL
-    result, grads = {"T": tokens, "h": hidden, "dtype": dtype_name, "ms": {}, "max_rel_diff_vs_stream": {}}, {}
-    try:
-        for name, (kernel, pair_on) in SCHEDULE_VARIANTS.items():
-            fused.BACKWARD_KERNEL = kernel
-            grads[name] = step(pair_on)
-            result["ms"][name] = median_ms(lambda pair_on=pair_on: step(pair_on), smoke)
-    finally:
-        fused.BACKWARD_KERNEL = kernel_before
-    for name in SCHEDULE_VARIANTS:
-        result["max_rel_diff_vs_stream"][name] = max(
-            ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-            for a, b in zip(grads[name], grads["stream"]))
-    print("step schedule fwd+bwd ms: " + _fmt(result["ms"]) + "; saving vs stream: "
-          + ", ".join(f"{k}: {result['ms']['stream'] - v:.3f}" for k, v in result["ms"].items() if k != "stream"))
+    result, grads = {"T": tokens, "h": hidden, "dtype": dtype_name, "ms": {}}, {}
+    for name, pair_on in SCHEDULE_VARIANTS.items():
+        grads[name] = step(pair_on)
+        result["ms"][name] = median_ms(lambda pair_on=pair_on: step(pair_on), smoke)
+    result["max_rel_diff_pair_vs_unpaired"] = max(
+        ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+        for a, b in zip(grads["pair"], grads["unpaired"]))
+    print("step schedule fwd+bwd ms: " + _fmt(result["ms"])
+          + f"; pair saves {result['ms']['unpaired'] - result['ms']['pair']:.3f} ms")
     return result
 
 
@@ -291,7 +245,6 @@ def main(argv=None):
         device, dtype_name, shapes, out_path = "cuda", "bf16", GPU_SHAPES, args.out or DEFAULT_OUT
     rows = [bench_shape(n, t, h, device, dtype_name, args.smoke) for n, t, h in shapes]
     print_table(rows)
-    sweeps = [sweep_tiles(n, t, h, device, dtype_name, args.smoke) for n, t, h in shapes] if args.sweep else None
     schedule = None
     if args.schedule:
         _, tokens, hidden = shapes[0]
@@ -303,7 +256,7 @@ def main(argv=None):
             out_path, "kernels.attn_res.depth_attention (fused Triton) vs depth_attention_reference (eager)",
             not args.smoke, "median ms, triton.testing.do_bench" if not args.smoke else "wall ms of one call (smoke)",
             rows, note="kernel gets a list of sources; reference gets them pre-stacked (stack cost not counted)",
-            sweep=sweeps, schedule=schedule)
+            schedule=schedule)
 
 if __name__ == "__main__":
     repo_root = Path(__file__).resolve().parents[1]

@@ -11,9 +11,7 @@
 * :func:`synthetic_batch` - one random-token microbatch in the ``megatron_ext.data`` format;
 * :func:`time_training_step` - forward + backward (Megatron schedule) + AdamW of a model built by
   a callable: median step time and peak memory, everything freed afterwards;
-  :func:`time_interleaved_training_steps` the step times of several models timed in alternating rounds;
-* :func:`set_constants` / :func:`constants_layout` - a kernel module's launch constants changed (for
-  good, or inside a block), what the kernel sweeps and the A/B rows of the benchmarks vary.
+  :func:`time_interleaved_training_steps` the step times of several models timed in alternating rounds.
 """
 
 from __future__ import annotations
@@ -28,27 +26,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-
-
-def set_constants(module, changes: dict) -> dict:
-    """Set ``module``'s constants from ``changes`` (name -> value; a misspelt name fails here, not silently);
-    a dict value updates that dict constant (a launch config) instead of replacing it. Returns the values
-    replaced, to be set back as they are."""
-    saved = {name: getattr(module, name) for name in changes}
-    for name, value in changes.items():
-        setattr(module, name, {**saved[name], **value} if isinstance(value, dict) else value)
-    return saved
-
-
-@contextlib.contextmanager
-def constants_layout(module, changes: dict):
-    """``module`` with :func:`set_constants`' changes inside the block, every replaced value back after."""
-    saved = set_constants(module, changes)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(module, name, value)
 
 
 def init_process_group(cuda: bool) -> tuple[int, int]:

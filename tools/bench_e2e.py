@@ -21,15 +21,12 @@ Variants (``--variants``, default all):
 * ``ours_base_16k`` / ``ours_full_16k``: the same at sequence 16384, micro-batch
   ``--long-micro-batch`` (default 1: at 2 the static ~63 GB of weights, grads and AdamW state plus
   4x the 4k activations would not fit in one H200's 139 GB);
-* A/B rows, not in the default list, ``NAME[+OPTION...][@LAYOUT]`` on an ours_full row: ``+eager``
+* A/B rows, not in the default list, ``NAME[+OPTION...]`` on an ours_full row: ``+eager``
   (HybridConfig's capacity-routing defaults, host reads on and no CUDA graphs, whatever ``--qb-cuda-graph``
-  says), ``+torch-rounds`` (one-rank routing rounds as PyTorch ops instead of the Triton kernels,
-  ``quantile_capacity.ROUTING_KERNELS``), ``+no-attnres`` (standard residuals instead of Block AttnRes: the
-  technique's overhead on this model), ``@LAYOUT`` (a ``tools/sweep_kda_kernels.py`` layout of the KDA
-  kernels in force while it runs, e.g. ``ours_full_16k@state-bv32``); they combine
-  (``ours_full_16k+eager@state-bv32``). A name may repeat: ``--variants
-  ours_full_16k,ours_full_16k+torch-rounds,ours_full_16k,ours_full_16k+torch-rounds`` is an ABAB comparison
-  in one process.
+  says), ``+no-attnres`` (standard residuals instead of Block AttnRes: the technique's overhead on this
+  model); they combine (``ours_full_16k+eager+no-attnres``). A name may repeat: ``--variants
+  ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager`` is an ABAB comparison in one
+  process. Kernel launch choices are compared across commits (they are not switches).
 
 The ours_full rows' capacity routing (``--qb-cuda-graph``, default ``auto``): on one GPU it runs without host
 reads and is replayed from CUDA graphs (``moe_qb_host_reads: false``, ``moe_qb_cuda_graph: true``: the
@@ -62,7 +59,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
 from tools.e2e_rows import (  # noqa: E402
-    CAPACITY_FACTOR, GPU_SIZES, SMOKE_SIZES, STOCK_AUX_LOSS, VARIANTS, row_layout, split_variant, variant_problem,
+    CAPACITY_FACTOR, GPU_SIZES, SMOKE_SIZES, STOCK_AUX_LOSS, VARIANTS, split_variant, variant_problem,
     variant_setup, variant_shape,
 )
 
@@ -140,7 +137,7 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
 
     world = dist.get_world_size()
     seq, micro_batch = variant_shape(name, args.sizes)
-    base, options, layout = split_variant(name)
+    base, options = split_variant(name)
     row = {"name": name, "gpus": world, "seq": seq, "micro_batch": micro_batch}
     if base == "stock":
         row["attention"] = "DotProductAttention" if args.stock_attention == "dpa" else "SDPA"
@@ -149,15 +146,12 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
         build, config, after_step, flops_cfg, seq, micro_batch = variant_setup(name, args, cuda)
         if base.startswith("ours_full"):
             row["qb_host_reads"], row["qb_cuda_graph"] = config.moe_qb_host_reads, config.moe_qb_cuda_graph
-            row["kda_layout"] = layout or "default"
-            row["routing_rounds"] = "torch" if "torch-rounds" in options else "triton"
             row["attn_res"] = config.attn_res
         steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
-        with row_layout(name):
-            timing = bench_common.time_training_step(
-                build, config, args.sizes["vocab"], seq, micro_batch, warmup, steps, after_step=after_step,
-                profiler=profiler, fast_step=base != "stock",
-                main_grad_dtype="fp32" if base == "stock" else args.main_grad_dtype, manual_gc=not args.automatic_gc)
+        timing = bench_common.time_training_step(
+            build, config, args.sizes["vocab"], seq, micro_batch, warmup, steps, after_step=after_step,
+            profiler=profiler, fast_step=base != "stock",
+            main_grad_dtype="fp32" if base == "stock" else args.main_grad_dtype, manual_gc=not args.automatic_gc)
         flops_per_token = model_flops_per_token(flops_cfg, seq)
         tokens_per_sec = world * micro_batch * seq / (timing["step_ms"] / 1e3)
         tflops = flops_per_token * tokens_per_sec / world / 1e12  # per GPU

@@ -1,9 +1,8 @@
 """The rows of the end-to-end benchmark (``tools/bench_e2e.py``, whose docstring describes them): their names
-(``NAME[+OPTION...][@LAYOUT]``), sizes, configs and model builds."""
+(``NAME[+OPTION...]``), sizes, configs and model builds."""
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -12,7 +11,7 @@ import torch.nn.functional as F
 from tools import bench_common
 
 VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
-ROW_OPTIONS = ("eager", "torch-rounds", "no-attnres")  # ``+OPTION`` of an ours_full row: bench_e2e.py's docstring
+ROW_OPTIONS = ("eager", "no-attnres")  # ``+OPTION`` of an ours_full row: bench_e2e.py's docstring
 GPU_SIZES = dict(
     model=dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=64,
                moe_router_topk=8, moe_ffn_hidden_size=1024),
@@ -27,46 +26,23 @@ CAPACITY_FACTOR = 1.25
 STOCK_AUX_LOSS = 1e-2
 
 
-def split_variant(name: str) -> tuple[str, frozenset[str], str | None]:
-    """``base[+option...][@layout]`` -> (base row, its options, KDA kernel layout or None)."""
-    head, _, layout = name.partition("@")
-    base, *options = head.split("+")
-    return base, frozenset(options), layout or None
+def split_variant(name: str) -> tuple[str, frozenset[str]]:
+    """``base[+option...]`` -> (base row, its options)."""
+    base, *options = name.split("+")
+    return base, frozenset(options)
 
 
 def variant_problem(name: str) -> str | None:
     """Why ``name`` is not a row this script knows (None when it is)."""
-    base, options, layout = split_variant(name)
+    base, options = split_variant(name)
     if base not in VARIANTS:
         return f"unknown row {base!r}; known: {', '.join(VARIANTS)}"
     unknown = sorted(options - set(ROW_OPTIONS))
     if unknown:
         return f"unknown option {'+' + unknown[0]!r}; known: {', '.join('+' + o for o in ROW_OPTIONS)}"
-    if (options or layout) and not base.startswith("ours_full"):
-        return "+options and @layout apply to the ours_full rows (capacity routing, KDA) only"
-    if layout is not None:
-        from tools.sweep_kda_kernels import CONFIGS
-
-        if layout not in dict(CONFIGS):
-            return f"unknown KDA layout {layout!r}; known: {', '.join(dict(CONFIGS))}"
+    if options and not base.startswith("ours_full"):
+        return "+options apply to the ours_full rows (capacity routing, AttnRes) only"
     return None
-
-
-@contextlib.contextmanager
-def row_layout(name: str):
-    """The row's KDA kernel layout (``@layout``) and routing rounds (``+torch-rounds``) in force inside, the
-    module constants restored after."""
-    _, options, layout = split_variant(name)
-    with contextlib.ExitStack() as stack:
-        if layout is not None:
-            from tools.sweep_kda_kernels import CONFIGS, layout as kernel_layout
-
-            stack.enter_context(kernel_layout(dict(CONFIGS)[layout]))
-        if "torch-rounds" in options:
-            from megatron_ext.moe import quantile_capacity
-
-            stack.enter_context(bench_common.constants_layout(quantile_capacity, {"ROUTING_KERNELS": False}))
-        yield
 
 
 def variant_shape(name: str, sizes: dict) -> tuple[int, int]:
@@ -157,7 +133,7 @@ def variant_setup(name: str, args, cuda: bool):
 
     sizes = args.sizes
     seq, micro_batch = variant_shape(name, sizes)
-    row_base, options, _ = split_variant(name)
+    row_base, options = split_variant(name)
     base = ours_config(sizes, seq, techniques=False, cuda=cuda)
     if row_base == "stock":
         config = stock_config(sizes, cuda)

@@ -1,7 +1,7 @@
-"""Launchers of the depth-attention backward (kernels in ``preload_bwd.py`` and ``stream_bwd.py``; the maths in
-``fused.py``'s module docstring, the layout constants there too, read at call time so that the benchmarks can
-sweep them): one call's source grads and its parameter sums, optionally paired with a second call
-(``PairedCall``, ``pair.py``), and the finish kernel that adds up the per-program partial sums."""
+"""Launchers of the depth-attention backward (kernels in ``preload_bwd.py``; the maths in ``fused.py``'s module
+docstring, the launch table ``fused.BACKWARD_LAUNCH`` there too): one call's source grads and its parameter sums,
+optionally paired with a second call (``PairedCall``, ``pair.py``), and the finish kernel that adds up the
+per-program partial sums."""
 
 from __future__ import annotations
 
@@ -66,6 +66,7 @@ def fused_depth_attention_backward_sums(
     handoff: tuple[torch.Tensor, torch.Tensor] | None = None,
     paired: PairedCall | None = None,
     parameter_grads: bool = False,
+    launch: fused.BackwardLaunch = fused.BACKWARD_LAUNCH,
 ) -> BackwardSums:
     """Writes (or, where ``accumulate[i]``, adds) each source's grad into ``grad_sources[i]``
     (contiguous, the sources' shape) and returns the fp32 sums (:class:`BackwardSums`). With
@@ -75,20 +76,16 @@ def fused_depth_attention_backward_sums(
     fp32 ``[T]``) that receive this call's mix gradient, rounded to that dtype, and the ``c`` of that rounded
     gradient, which this pass uses too (a :class:`PairedCall` for the first call's backward). ``paired``:
     also the gradient of a second call for the first ``paired.count`` sources (added into the same
-    grads; its ``g`` over them in ``g2``). ``subset``, ``handoff`` and ``paired`` need the preload kernel
-    (``fused.BACKWARD_KERNEL``). ``parameter_grads`` (preload kernel, neither
-    ``subset`` nor ``paired``): return the parameters' grads in their dtypes, computed by the finish
-    kernel, instead of the fp32 sums."""
+    grads; its ``g`` over them in ``g2``). ``parameter_grads`` (neither ``subset`` nor ``paired``): return the
+    parameters' grads in their dtypes, computed by the finish kernel, instead of the fp32 sums. ``launch``: the
+    launch table (the shipped one; tests pass others to reach several tiles per program)."""
     T, H = fused._tokens(sources[0])
     norm_out = out_norm_weight is not None
     device = grad_out.device
-    preload = fused.BACKWARD_KERNEL == "preload"
-    if (subset or paired is not None) and not preload:
-        raise ValueError("subset / paired backward needs fused.BACKWARD_KERNEL = 'preload'")
     if handoff is not None and not subset:
         raise ValueError("handoff is the own pass of a pair's second call: it needs subset")
-    if parameter_grads and (subset or paired is not None or not preload):
-        raise ValueError("parameter_grads needs the preload kernel and neither subset nor paired")
+    if parameter_grads and (subset or paired is not None):
+        raise ValueError("parameter_grads needs neither subset nor paired")
     rows = 1 + (norm_out and need_out_norm_weight) + (paired is not None)
     if T == 0:  # (an empty handoff has nothing to write)
         zero = torch.zeros(H, dtype=torch.float32, device=device)
@@ -99,81 +96,62 @@ def fused_depth_attention_backward_sums(
         if flag:
             mask |= 1 << i
     n = len(sources)
-    if preload:
-        kernel = fused._depth_attention_bwd_preload_kernel
-        cfg = fused.launch_config(H, fused.BACKWARD_TILE_ELEMENTS, fused.BACKWARD_PRELOAD_VALUES_PER_THREAD)
-        kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, NORM_OUT=norm_out,
-                      SUBSET=subset, PAIRED=0 if paired is None else paired.count, HANDOFF=handoff is not None,
-                      OUT_NORM_GRAD=norm_out and need_out_norm_weight, RELOAD=fused.BACKWARD_RELOAD,
-                      PIPELINE=fused.BACKWARD_PIPELINE, STAGES=fused.BACKWARD_TILE_STAGES,
-                      BATCH=1 if handoff is not None else fused.sources_per_reduction(
-                          fused.BACKWARD_SOURCES_PER_REDUCTION, n),
-                      PACK=fused.BACKWARD_PACK_ROWS and fused._packable(
-                          H, sources, grad_sources, out, grad_out, None if paired is None else paired.grad_mix))
-    else:
-        kernel = fused._depth_attention_bwd_kernel
-        cfg = fused.backward_launch_config(H, norm_out)
-        kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h,
-                      FUSE_REDUCTIONS=fused.BACKWARD_FUSE_REDUCTIONS, PREFETCH=fused.BACKWARD_PREFETCH,
-                      NORM_OUT=norm_out)
-    if preload and subset and fused.BACKWARD_SUBSET_MAXNREG and device.type == "cuda":
-        kwargs["maxnreg"] = fused.BACKWARD_SUBSET_MAXNREG  # a compile option (in the capacity key with the rest)
+    kernel = fused._depth_attention_bwd_preload_kernel
+    cfg = launch.for_call(H, n, subset, handoff is not None)
+    kwargs = dict(N=n, ACCUMULATE=mask, BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, NORM_OUT=norm_out,
+                  SUBSET=subset, PAIRED=0 if paired is None else paired.count, HANDOFF=handoff is not None,
+                  OUT_NORM_GRAD=norm_out and need_out_norm_weight, BATCH=cfg.batch,
+                  PACK=fused._packable(H, sources, grad_sources, out, grad_out,
+                                       None if paired is None else paired.grad_mix))
+    if cfg.maxnreg and device.type == "cuda":
+        kwargs["maxnreg"] = cfg.maxnreg  # a compile option (in the capacity key with the rest)
     key = (device, kernel, *kwargs.values(), cfg, sources[0].dtype, out.dtype,
-           None if paired is None else paired.grad_mix.dtype, fused.BACKWARD_PROGRAMS_PER_SM)
+           None if paired is None else paired.grad_mix.dtype)
     capacity = fused._backward_capacities.get(key)
     programs = max(1, min(-(-T // cfg.block_t), capacity or 1))
     # One fp32 buffer for every per-program partial-sum array, [rows, programs, h]: g, then
-    # g_out_norm (if computed), then g2 (if paired); the stream kernel always writes g_out_norm.
-    rows_alloc = rows if preload else 1 + norm_out
+    # g_out_norm (if computed), then g2 (if paired).
     while True:
-        partial = torch.empty((rows_alloc, programs, H), dtype=torch.float32, device=device)
-        row_g_out_norm = partial[1] if (norm_out and (need_out_norm_weight or not preload)) else partial[0]
-        if preload:
-            # Where unused (no pair, no handoff), the pointers repeat this call's own (never read or written).
-            p2 = paired or PairedCall(0, query, norm_weight, lse, grad_out, lse)
-            handoff_grad, handoff_c = handoff or (grad_out, lse)
-            args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, partial[0],
-                    out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, row_g_out_norm,
-                    p2.query, p2.norm_weight, p2.grad_mix, p2.c, p2.lse,
-                    partial[rows - 1] if paired is not None else partial[0], handoff_grad, handoff_c,
-                    T, H, eps, out_norm_eps]
-        else:
-            args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, partial[0],
-                    out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, row_g_out_norm,
-                    T, H, eps, out_norm_eps]
+        partial = torch.empty((rows, programs, H), dtype=torch.float32, device=device)
+        row_g_out_norm = partial[1] if (norm_out and need_out_norm_weight) else partial[0]
+        # Where unused (no pair, no handoff), the pointers repeat this call's own (never read or written).
+        p2 = paired or PairedCall(0, query, norm_weight, lse, grad_out, lse)
+        handoff_grad, handoff_c = handoff or (grad_out, lse)
+        args = [tuple(sources), tuple(grad_sources), query, norm_weight, out, grad_out, lse, partial[0],
+                out_norm_weight if norm_out else norm_weight, out_rstd if norm_out else lse, row_g_out_norm,
+                p2.query, p2.norm_weight, p2.grad_mix, p2.c, p2.lse,
+                partial[rows - 1] if paired is not None else partial[0], handoff_grad, handoff_c,
+                T, H, eps, out_norm_eps]
         if capacity is not None:
             break
         # First call with this key: compile, read the register count, size the grid from it.
-        capacity = fused._backward_capacities[key] = fused._one_wave(
-            device, kernel, args, kwargs, cfg.num_warps, fused.BACKWARD_PROGRAMS_PER_SM)
+        capacity = fused._backward_capacities[key] = fused._one_wave(device, kernel, args, kwargs, cfg.num_warps)
         programs = max(1, min(-(-T // cfg.block_t), capacity))
     kernel[(programs,)](*args, num_warps=cfg.num_warps, **kwargs)
-    if not preload:
-        sums = partial.sum(dim=1)
-        return BackwardSums(sums[0], sums[1] if norm_out else None)
-    return _finish_sums(partial, paired is not None, parameter_grads, query, norm_weight, out_norm_weight)
+    return _finish_sums(partial, paired is not None, parameter_grads, query, norm_weight, out_norm_weight, launch)
 
 
 def _finish_sums(partial: torch.Tensor, paired: bool, parameter_grads: bool, query: torch.Tensor,
-                norm_weight: torch.Tensor, out_norm_weight: torch.Tensor | None) -> BackwardSums:
+                norm_weight: torch.Tensor, out_norm_weight: torch.Tensor | None,
+                launch: fused.BackwardLaunch = fused.BACKWARD_LAUNCH) -> BackwardSums:
     """Adds up a backward's per-program partial rows, ``partial [rows, programs, h]`` fp32 (``g``, then
     ``g_out_norm`` if there are more rows than ``1 + paired``, then ``g2`` if ``paired``), in one launch of the
     finish kernel; with ``parameter_grads`` it writes the parameters' grads instead (:class:`BackwardSums`)."""
     rows, programs, H = partial.shape
     device = partial.device
-    grid = (-(-H // fused.FINISH_BLOCK),)
+    grid = (-(-H // launch.finish_block),)
     if parameter_grads:
         grad_query, grad_norm_weight = torch.empty_like(query), torch.empty_like(norm_weight)
         grad_out_norm = torch.empty_like(out_norm_weight) if rows > 1 else grad_query
         fused._depth_attention_finish_kernel[grid](
             partial, partial, query, norm_weight, grad_query, grad_norm_weight, grad_out_norm, H, P=programs,
-            ROWS=rows, BLOCK_P=fused.FINISH_BLOCK_P, BLOCK=fused.FINISH_BLOCK, PARAMETER_GRADS=True, num_warps=4)
+            ROWS=rows, BLOCK_P=launch.finish_block_p, BLOCK=launch.finish_block, PARAMETER_GRADS=True, num_warps=4)
         return BackwardSums(None, grad_query=grad_query, grad_norm_weight=grad_norm_weight,
                             grad_out_norm_weight=grad_out_norm if rows > 1 else None)
     sums = torch.empty((rows, H), dtype=torch.float32, device=device)
     fused._depth_attention_finish_kernel[grid](
         partial, sums, query, norm_weight, partial, partial, partial, H, P=programs,
-        ROWS=rows, BLOCK_P=fused.FINISH_BLOCK_P, BLOCK=fused.FINISH_BLOCK, PARAMETER_GRADS=False, num_warps=4)
+        ROWS=rows, BLOCK_P=launch.finish_block_p, BLOCK=launch.finish_block, PARAMETER_GRADS=False, num_warps=4)
     return BackwardSums(sums[0], sums[1] if rows - paired > 1 else None, sums[rows - 1] if paired else None)
 
 

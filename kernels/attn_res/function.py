@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels.attn_res import fused, pair
 from kernels.attn_res.backward import PairedCall, fused_depth_attention_backward_sums, parameter_grads
 from kernels.attn_res.fused import fused_depth_attention_forward
 
@@ -69,7 +68,7 @@ class FusedDepthAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         role = ctx.pair_role
         # Second call of a pair: leave the shared sources to the first call's backward.
-        shared = ctx.shared if (role is not None and pair.PAIR_BACKWARD and fused.BACKWARD_KERNEL == "preload") else 0
+        shared = ctx.shared if role is not None else 0
         if ctx.stacked:
             grad_stacked = torch.empty_like(sources[0])
             views, dests, accumulate = tuple(sources[0].unbind(0)), tuple(grad_stacked.unbind(0)), ()
@@ -103,7 +102,7 @@ class FusedDepthAttention(torch.autograd.Function):
             grad_query = grad_norm_weight = None  # returned by the first call's backward
         else:
             deferred = role.pair.take() if role is not None and role.index == 0 else None
-            in_kernel = deferred is None and fused.BACKWARD_KERNEL == "preload"  # grads from the finish kernel
+            in_kernel = deferred is None  # grads from the finish kernel
             sums = fused_depth_attention_backward_sums(
                 views, query, norm_weight, ctx.eps, out, lse, grad_out, dests, accumulate,
                 out_norm_weight, ctx.out_norm_eps, out_rstd, needs[2],

@@ -1,7 +1,7 @@
-"""Fused Triton kernels for Block AttnRes depth attention (maths in ``naive.py``): their layout constants and
-the forward's launcher here, the backward's launchers in ``backward.py``, the kernels in ``fwd_kernel.py``
-(forward), ``preload_bwd.py`` (the default backward and the finish kernel) and ``stream_bwd.py`` (the
-streaming backward).
+"""Fused Triton kernels for Block AttnRes depth attention (maths in ``naive.py``): their launch tables
+(:data:`FORWARD_LAUNCH`, :data:`BACKWARD_LAUNCH`) and the forward's launcher here, the backward's launchers in
+``backward.py``, the kernels in ``fwd_kernel.py`` (forward) and ``preload_bwd.py`` (the backward and the finish
+kernel that adds up its per-program partial sums).
 
 Per token, with ``u = w * gamma`` and ``r_i = rsqrt(mean(v_i^2) + eps)``, the logit is
 ``logit_i = r_i * (v_i . u)``: the normalised keys are never formed, only dot products per
@@ -11,10 +11,11 @@ Forward (one program per tile of BLOCK_T tokens, full h in registers, h padded t
 two): stream the n sources once with an online softmax, rescaling an fp32 accumulator, so V
 is read exactly once; writes ``out`` and ``lse [T]`` (fp32 log-sum-exp of the logits).
 
-Backward (persistent grid of one wave, each program loops over token tiles), one pass over
-the sources: ``c = sum_i a_i (dout . v_i) = dout . out`` comes from the saved output (the
-sublayer's norm keeps that tensor alive anyway) and ``a_i = exp(logit_i - lse)``, so per
-source ``v . v``, ``v . u`` and ``dout . v`` are reduced together and
+Backward (persistent grid of one wave, each program loops over token tiles; a tile's loads are all issued
+before its first store), one pass over the sources: ``a_i = exp(logit_i - lse)``, per source ``v . v``,
+``v . u`` and ``dout . v`` are reduced together, ``c = sum_i a_i (dout . v_i)`` is summed from them (where a
+kernel sees only some of a call's sources, ``c = dout . out`` from the saved output, kept in fp32 for that:
+docs/attn_res.md, "Precision of c") and
 
     dv_i = a_i dout + dlogit_i r_i (u - logit_i r_i v_i / h),   dlogit_i = a_i (dout . v_i - c)
 
@@ -56,137 +57,116 @@ from dataclasses import dataclass
 import torch
 import triton
 
-# The kernels live in their own files; they stay reachable here by name (tools and tests look them up on this
-# module, e.g. tools/bench_attnres_overhead.py stubs them, and the launchers resolve them here at call time).
 from kernels.attn_res.fwd_kernel import _depth_attention_fwd_kernel
 from kernels.attn_res.preload_bwd import _depth_attention_bwd_preload_kernel, _depth_attention_finish_kernel  # noqa: F401
-from kernels.attn_res.stream_bwd import _depth_attention_bwd_kernel  # noqa: F401
 
 
 @dataclass(frozen=True)
-class LaunchConfig:
-    """Tile shape of one program: BLOCK_T tokens by BLOCK_H (h padded to a power of two)."""
+class ByWidth:
+    """A launch choice by the call's source count n: ``steps`` are ``(from n, value)`` pairs in increasing n; a
+    call with n sources takes the value of the last step whose n is <= n (the first step's below them all)."""
+
+    steps: tuple[tuple[int, object], ...]
+
+    def __post_init__(self):
+        starts = [start for start, _ in self.steps]
+        if not starts or starts != sorted(set(starts)):
+            raise ValueError(f"ByWidth steps need increasing source counts, got {self.steps!r}")
+
+    def __call__(self, n: int):
+        value = self.steps[0][1]
+        for start, step_value in self.steps:
+            if start <= n:
+                value = step_value
+        return value
+
+
+def _check_sources_per_reduction(table: ByWidth) -> None:
+    for _, value in table.steps:
+        if value not in (1, 2, 4):
+            raise ValueError(f"sources per reduction must be 1, 2 or 4, got {value} (in {table!r})")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One call's launch: tiles of BLOCK_T tokens by BLOCK_H (h padded to a power of two), its warps, the sources
+    whose row sums share one reduction (the kernels' ``BATCH``) and a register cap (ptxas maxnreg; ``None``: the
+    compiler's choice; applied on CUDA only)."""
 
     block_t: int
     block_h: int
     num_warps: int
+    batch: int
+    maxnreg: int | None
+
+
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """The forward's launch table (:data:`FORWARD_LAUNCH`): about ``tile_elements`` values per token tile (whole
+    rows), ``values_per_thread`` per thread, and by the call's width the sources per row reduction and a register
+    cap."""
+
+    tile_elements: int
+    values_per_thread: int
+    sources_per_reduction: ByWidth
+    maxnreg: ByWidth
+
+    def __post_init__(self):
+        _check_sources_per_reduction(self.sources_per_reduction)
+
+    def for_call(self, hidden: int, n: int) -> Launch:
+        tile = tile_shape(hidden, self.tile_elements, self.values_per_thread)
+        return Launch(*tile, self.sources_per_reduction(n), self.maxnreg(n))
+
+
+@dataclass(frozen=True)
+class BackwardLaunch:
+    """The backward's launch table (:data:`BACKWARD_LAUNCH`): the preload kernel's tile as the forward's, its sources
+    per row reduction by width (1 in a pair's second call's own pass, ``handoff``: its ``c`` shares source 0's
+    reduction), the register cap of that own pass (``subset``), and the finish kernel's columns and rows per
+    step. The grid is always one wave (programs per SM from the compiled kernel's registers and shared memory)."""
+
+    tile_elements: int
+    values_per_thread: int
+    sources_per_reduction: ByWidth
+    subset_maxnreg: int | None
+    finish_block: int
+    finish_block_p: int
+
+    def __post_init__(self):
+        _check_sources_per_reduction(self.sources_per_reduction)
+
+    def for_call(self, hidden: int, n: int, subset: bool = False, handoff: bool = False) -> Launch:
+        tile = tile_shape(hidden, self.tile_elements, self.values_per_thread)
+        return Launch(*tile, 1 if handoff else self.sources_per_reduction(n),
+                      self.subset_maxnreg if subset else None)
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(hidden: int, tile_elements: int, per_thread: int = 8) -> LaunchConfig:
-    """About ``tile_elements`` values per tile (whole rows), about ``per_thread`` per thread
-    (at most 16 warps).
-
-    The unrolled source loop issues the n loads of a tile early (good for bandwidth), so
-    registers grow with n x elements per thread; tests/kernels/test_attn_res_compile.py checks
-    that ptxas (sm_90) reports no spills at n = 9 and h = 2048.
-    """
+def tile_shape(hidden: int, tile_elements: int, per_thread: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_H, warps) for about ``tile_elements`` values per tile (whole rows, at most 16) and about
+    ``per_thread`` per thread (at most 16 warps). The unrolled source loop issues the n loads of a tile early (good
+    for bandwidth), so registers grow with n x values per thread; tests/kernels/test_attn_res_compile.py bounds
+    them (ptxas, sm_90) at n = 9 and h = 2048."""
     block_h = triton.next_power_of_2(hidden)
     block_t = max(1, min(16, tile_elements // block_h))
     num_warps = max(1, min(16, block_t * block_h // (32 * per_thread)))
-    return LaunchConfig(block_t, block_h, num_warps)
+    return block_t, block_h, num_warps
 
 
-def backward_launch_config(hidden: int, norm_out: bool) -> LaunchConfig:
-    """The backward's tile. With the fused output norm, fewer values per thread: at n = 9,
-    h = 2048 (ptxas sm_90) the norm's extra per-thread row vectors took the 8-per-thread kernel
-    from 119 to 150 registers (one 8-warp program per SM instead of two); at 4 per thread
-    (16 warps) it needs 90, i.e. the same 16 warps per SM as the kernel without the norm."""
-    per_thread = BACKWARD_NORM_VALUES_PER_THREAD if norm_out else 8
-    return launch_config(hidden, BACKWARD_TILE_ELEMENTS, per_thread)
-
-
-# Tile sizes (elements per token tile), read at call time so the benchmark can sweep them.
-FORWARD_TILE_ELEMENTS = 2048
-BACKWARD_TILE_ELEMENTS = 2048
-# Backward programs per SM; None: as many as fit at once (from the compiled kernel's registers),
-# so the persistent grid is exactly one wave (more programs than fit left a second, partial wave).
-BACKWARD_PROGRAMS_PER_SM: int | None = None
-# Layouts from tools/sweep_attnres_kernels.py (docs/bench/attnres-sweep-h200.json): one row over 4 warps (16 values
-# per thread) beat 8 and 16 warps in both directions; the per-source row reductions cross fewer warps.
-FORWARD_VALUES_PER_THREAD = 16
-FORWARD_PRELOAD = True  # issue the n source loads before the first row reduction
-FORWARD_FUSE_REDUCTIONS = True  # v.v and v.u as one two-operand reduction (one barrier, not two)
-# Forward variants (swept by tools/sweep_attnres_kernels.py; offline sm_90 registers there). PACK_ROWS (default): the
-# sources' 2-byte rows loaded and held as int32 pairs (as BACKWARD_PACK_ROWS; where h is even and the sources 4-byte
-# aligned); bit-identical results. At the default layout it saves no registers (ptxas already keeps the one-tile
-# kernel's loaded words packed, 128 either way at n = 9), but it takes the spills out of the 32-values-per-thread
-# layouts and it is what makes NEXT_TILE fit: a persistent grid (one wave, from the compiled kernel's registers)
-# whose programs walk the tiles with the next tile's rows in flight while this one is mixed; 1: source i's loaded
-# right after this tile's source i is unpacked (into the registers it frees), 2: all n at the tile's top. Those
-# rows are loop-carried: unpacked, ptxas holds them one bf16 per register (n = 9, 8 values per thread, NEXT_TILE 2:
-# 166 registers packed 128).
-FORWARD_PACK_ROWS = True
-FORWARD_NEXT_TILE = 0
-# Sources whose row sums share one reduction (1, 2 or 4; fwd_kernel's BATCH), by the call's source count n: {from n:
-# sources} (sources_per_reduction), or an int for every n. One cross-warp exchange and barrier for that many sources
-# instead of one each: a program's per-token chain is latency-bound. H200 sweep (docs/attn_res.md, "Several sources
-# per reduction"): the step's 17 forward calls 1.402 -> 1.258 ms at 4 (1.299 at 2); 4 costs registers (168 at n >= 8,
-# three programs per SM instead of four) but no call width gained from 2 consistently.
-FORWARD_SOURCES_PER_REDUCTION: int | dict[int, int] = 4
-# A register cap for the forward (ptxas maxnreg; None: the compiler's choice), by width as above. H200 sweep, per call
-# (docs/attn_res.md): 128 took the calls with 7 to 9 sources 11-20% faster (four programs per SM instead of three;
-# offline, Triton 3.8, n = 9 spills 96 bytes, n = 8 none) and the narrower ones 0-10% slower: the step's 17 forward
-# calls 1.258 ms uncapped, 1.203 capped everywhere, 1.189 with this table.
-FORWARD_MAXNREG: int | None | dict[int, int | None] = {1: None, 7: 128}
-BACKWARD_FUSE_REDUCTIONS = True  # v.v, v.u, dout.v as one three-operand reduction
-BACKWARD_PREFETCH = True  # load source i + 1 before computing (and storing) source i
-BACKWARD_NORM_VALUES_PER_THREAD = 4  # backward with the fused output norm (backward_launch_config)
-# Which backward kernel: "preload" (a tile's loads before its stores, see BACKWARD_RELOAD; needed for the
-# paired / subset backward) or "stream" (the earlier one: one source prefetched ahead). A two-pass backward (per-token
-# scalars, then a streaming grad pass) was measured slower and removed (docs/attn_res.md, "Backward, two passes").
-BACKWARD_KERNEL = "preload"
-# 4 warps at h = 2048 with RELOAD: two programs per SM (n = 9 with the norm: 255 registers, ~48 bytes spilled to
-# L1); 16 warps (4 values) took 128 registers for one program per SM and ~20% longer over the benchmark's calls.
-BACKWARD_PRELOAD_VALUES_PER_THREAD = 16
-# Preload kernel: reload each source (an L2 hit: the tile was just read) and load its old grad next to its
-# store instead of holding both in registers from the top: fewer registers (without it 16 values per thread
-# spill ~840 bytes).
-BACKWARD_RELOAD = True
-# Preload kernel, overlap of loads with compute/stores (bits; docstring of preload_bwd's kernel; swept by
-# tools/sweep_attnres_kernels.py): 1, each old grad loaded right after its source's reductions instead of next
-# to its store; 2, the next tile's rows loaded into the registers this tile frees (cross-tile prefetch); 4, each
-# source reloaded one source ahead in the grad pass. 1 with BACKWARD_PACK_ROWS (the default since 2026-12-02): the
-# step's 17 backward calls 3.63 -> 3.01 ms in the H200 sweep, 3.32 -> 2.91 ms in the model's profile (docs/attn_res.md,
-# "Layout variants").
-BACKWARD_PIPELINE = 1
-# Preload kernel: sources whose row sums share one reduction, as FORWARD_SOURCES_PER_REDUCTION (1 in a pair's own pass,
-# whose c shares source 0's reduction). H200 sweep, per call: 2 slowed the pair with 2 shared blocks (117 -> 125 us)
-# and beat 4 at 3 and 4 sources, 4 won from 5 up (the widest pair 505 -> 325 us): the step's 17 backward calls
-# 2.630 -> 2.299 ms with this table (2.382 with 2 for every n, 2.325 with 4).
-BACKWARD_SOURCES_PER_REDUCTION: int | dict[int, int] = {1: 1, 3: 2, 5: 4}
-# Preload kernel's tile loop as tl.range(num_stages=...) (Triton pipelines the loads as cp.async into shared
-# memory: ~140 KB at n = 9, h = 2048 with 2 stages, so one program per SM; 3 stages do not fit); None: off.
-BACKWARD_TILE_STAGES: int | None = None
-# Preload kernel: hold the loaded 2-byte rows as int32 pairs (one register per two values; ptxas kept bf16 values
-# one per 16-bit register and spilled them), where h is even and every such tensor 4-byte aligned.
-BACKWARD_PACK_ROWS = True
-# Preload kernel's own pass of a pair's second call (SUBSET, one source at the benchmark): a register cap (ptxas
-# maxnreg) so that three programs fit an SM (Triton 3.6 on the H200 gave it two without: 74 -> 62 us a call; 128,
-# four per SM, 58 us but 32 bytes spilled and more partial rows to sum; docs/attn_res.md); None: the compiler's choice.
-BACKWARD_SUBSET_MAXNREG: int | None = 168
-# 32 columns per finish program (64 programs at h = 2048): 0.28 vs 0.43 ms over the benchmark's 17 calls with
-# 128 (tools/sweep_attnres_kernels.py), now that the 4-warp backward leaves two partial rows per SM.
-FINISH_BLOCK, FINISH_BLOCK_P = 32, 16
+# The shipped launches, chosen by the H200 measurements in docs/bench/attnres-sweep-h200.json (per-call tables
+# in docs/attn_res.md, "Launch tables"): one row over 4 warps (16 values per thread) in both directions; the
+# forward reduces 4 sources at once at every width and caps registers at 128 from 7 sources up (four programs per
+# SM instead of three; n = 9 spills 96 bytes and is faster all the same); the backward reduces 1 source at a time
+# below 3 sources, 2 below 5, 4 from 5 up; a pair's second call's own pass is capped at 168 registers (three
+# programs per SM); the finish kernel sums 32 columns by 16 partial rows per step.
+FORWARD_LAUNCH = ForwardLaunch(tile_elements=2048, values_per_thread=16, sources_per_reduction=ByWidth(((1, 4),)),
+                               maxnreg=ByWidth(((1, None), (7, 128))))
+BACKWARD_LAUNCH = BackwardLaunch(tile_elements=2048, values_per_thread=16,
+                                 sources_per_reduction=ByWidth(((1, 1), (3, 2), (5, 4))), subset_maxnreg=168,
+                                 finish_block=32, finish_block_p=16)
 _resident_programs: dict = {}
-_backward_capacities: dict = {}  # (device, kernel specialisation, settings) -> programs per wave
-
-
-def for_width(setting, n: int):
-    """A per-call setting for a call with n sources: ``setting`` itself, or where it is a dict ``{from n: value}``
-    the value of its largest key <= n (its smallest key's below that)."""
-    if not isinstance(setting, dict):
-        return setting
-    return setting[max((k for k in setting if k <= n), default=min(setting))]
-
-
-def sources_per_reduction(setting: int | dict[int, int], n: int) -> int:
-    """The sources per row reduction of a call with n sources (``FORWARD_SOURCES_PER_REDUCTION`` or
-    ``BACKWARD_SOURCES_PER_REDUCTION``, :func:`for_width`): 1, 2 or 4."""
-    value = for_width(setting, n)
-    if value not in (1, 2, 4):
-        raise ValueError(f"sources per reduction must be 1, 2 or 4, got {value} (from {setting!r})")
-    return value
+_backward_capacities: dict = {}  # (device, kernel specialisation, launch) -> programs per wave
 
 
 def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device) -> int:
@@ -208,12 +188,12 @@ def _programs_per_sm(kernel, args, kwargs, num_warps: int, device: torch.device)
     return _resident_programs[key]
 
 
-def _one_wave(device: torch.device, kernel, args, kwargs, num_warps: int, per_sm: int | None = None) -> int:
-    """Programs of ``kernel`` that run at once (``per_sm`` per SM, else from its registers and shared memory);
-    a persistent grid (the backward, the forward's NEXT_TILE) is ``min(tiles, one wave)``."""
+def _one_wave(device: torch.device, kernel, args, kwargs, num_warps: int) -> int:
+    """Programs of ``kernel`` that run at once (per SM from its registers and shared memory): the backward's
+    persistent grid is ``min(tiles, one wave)`` (more programs than fit left a second, partial wave)."""
     if device.type != "cuda":
         return 2  # interpreter: still exercises the per-program loop
-    per_sm = per_sm or _programs_per_sm(kernel, args, kwargs, num_warps, device)
+    per_sm = _programs_per_sm(kernel, args, kwargs, num_warps, device)
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -239,11 +219,13 @@ def fused_depth_attention_forward(
     out_norm_weight: torch.Tensor | None = None,
     out_norm_eps: float = 0.0,
     out_dtype: torch.dtype | None = None,
+    launch: ForwardLaunch = FORWARD_LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``sources``: n contiguous ``[..., h]`` tensors (T tokens); returns (``out`` of their shape
     and dtype (``out_dtype`` if given), ``lse [T]`` fp32, the log of the softmax normaliser, ``normed``,
     ``out_rstd``): with ``out_norm_weight`` also ``normed = RMSNorm(out)`` (the sources' shape and dtype) and
-    its ``rstd [T]`` fp32; otherwise those two are ``None``."""
+    its ``rstd [T]`` fp32; otherwise those two are ``None``. ``launch``: the launch table (the shipped one; tests
+    pass others to reach several tiles per program)."""
     T, H = _tokens(sources[0])
     norm_out = out_norm_weight is not None
     out = torch.empty(sources[0].shape, dtype=out_dtype or sources[0].dtype, device=sources[0].device)
@@ -252,21 +234,13 @@ def fused_depth_attention_forward(
     out_rstd = torch.empty(T, dtype=torch.float32, device=out.device) if norm_out else None
     if T == 0:
         return out, lse, normed, out_rstd
-    cfg = launch_config(H, FORWARD_TILE_ELEMENTS, FORWARD_VALUES_PER_THREAD)
-    tiles = -(-T // cfg.block_t)
+    cfg = launch.for_call(H, len(sources))
     args = (tuple(sources), query, norm_weight, out, lse,
             out_norm_weight if norm_out else norm_weight, normed if norm_out else out, out_rstd if norm_out else lse,
             T, H, eps, out_norm_eps)
-    kwargs = dict(N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, FUSE_REDUCTIONS=FORWARD_FUSE_REDUCTIONS,
-                  NORM_OUT=norm_out, PRELOAD=FORWARD_PRELOAD, PACK=FORWARD_PACK_ROWS and _packable(H, sources),
-                  NEXT_TILE=FORWARD_NEXT_TILE,
-                  BATCH=sources_per_reduction(FORWARD_SOURCES_PER_REDUCTION, len(sources))
-                  if (FORWARD_PRELOAD or FORWARD_NEXT_TILE) else 1)
-    maxnreg = for_width(FORWARD_MAXNREG, len(sources))
-    if maxnreg and out.device.type == "cuda":
-        kwargs["maxnreg"] = maxnreg  # a compile option
-    grid = (tiles,)
-    if FORWARD_NEXT_TILE:  # persistent: one wave of programs, each walking tiles pid, pid + programs, ...
-        grid = (max(1, min(tiles, _one_wave(out.device, _depth_attention_fwd_kernel, args, kwargs, cfg.num_warps))),)
-    _depth_attention_fwd_kernel[grid](*args, num_warps=cfg.num_warps, **kwargs)
+    kwargs = dict(N=len(sources), BLOCK_T=cfg.block_t, BLOCK_H=cfg.block_h, NORM_OUT=norm_out,
+                  PACK=_packable(H, sources), BATCH=cfg.batch)
+    if cfg.maxnreg and out.device.type == "cuda":
+        kwargs["maxnreg"] = cfg.maxnreg  # a compile option
+    _depth_attention_fwd_kernel[(-(-T // cfg.block_t),)](*args, num_warps=cfg.num_warps, **kwargs)
     return out, lse, normed, out_rstd

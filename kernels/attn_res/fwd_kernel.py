@@ -1,11 +1,11 @@
-"""The depth-attention forward kernel (``fused.fused_depth_attention_forward`` launches it; the maths and the
-byte count are in ``fused.py``'s module docstring, the layout constants ``FORWARD_*`` there)."""
+"""The depth-attention forward kernel (``fused.fused_depth_attention_forward`` launches it by the launch table
+``fused.FORWARD_LAUNCH``; the maths and the byte count are in ``fused.py``'s module docstring)."""
 
 import triton
 import triton.language as tl
 
-from kernels.attn_res.reductions import batch_row_sums, row_sums2
-from kernels.attn_res.rows import _load_rows, _rows_f32, _tile_offsets
+from kernels.attn_res.reductions import batch_row_sums
+from kernels.attn_res.rows import _load_rows, _rows_f32
 
 
 @triton.jit
@@ -19,35 +19,23 @@ def _logit_products(context, i: tl.constexpr, BLOCK_H: tl.constexpr, PACK: tl.co
 
 @triton.jit
 def _mix_tile(
-    src_ptrs, vs, tile_at, following, u, cols, col_mask, out_ptr, lse_ptr, out_norm_weight_ptr, normed_ptr,
+    src_ptrs, vs, tile_at, u, cols, col_mask, out_ptr, lse_ptr, out_norm_weight_ptr, normed_ptr,
     out_rstd_ptr, H, eps, out_norm_eps,
-    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FUSE_REDUCTIONS: tl.constexpr,
-    NORM_OUT: tl.constexpr, PRELOAD: tl.constexpr, PACK: tl.constexpr, NEXT_TILE: tl.constexpr, BATCH: tl.constexpr,
+    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, NORM_OUT: tl.constexpr, PACK: tl.constexpr,
+    BATCH: tl.constexpr,
 ):
-    """One token tile of the forward: the mix of its rows (``vs``: as loaded, where ``PRELOAD`` or ``NEXT_TILE``),
-    stored with its lse (and the fused norm). Returns the rows of tile ``following`` where ``NEXT_TILE`` is 1
-    (source i's loaded right after this tile's source i is unpacked, into the registers it frees), else ()."""
+    """One token tile of the forward: the mix of its rows (``vs``: as loaded), stored with its lse (and the fused
+    norm)."""
     rows, row_mask, mask, offs = tile_at
     running_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
     normaliser = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
-    next_vs = ()
     for i in tl.static_range(N):
-        if PRELOAD or NEXT_TILE > 0:
-            v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
-        else:
-            v = _rows_f32(_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK), src_ptrs[i], BLOCK_H, PACK)
-        if NEXT_TILE == 1:
-            next_vs = next_vs + (_load_rows(src_ptrs[i], following, H, BLOCK_H, PACK),)
-        if BATCH > 1:  # (rows held: PRELOAD or NEXT_TILE) one reduction for sources i .. i + BATCH - 1
-            if i % BATCH == 0:
-                batch = batch_row_sums(_logit_products, (vs, src_ptrs, u), i, N, BATCH, BLOCK_H, PACK)
-            square_sum, vu = batch[0][i % BATCH], batch[1][i % BATCH]
-        elif FUSE_REDUCTIONS:
-            square_sum, vu = row_sums2(v * v, v * u[None, :])
-        else:
-            square_sum = tl.sum(v * v, axis=1)
-            vu = tl.sum(v * u[None, :], axis=1)
+        v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
+        # one reduction for sources i .. i + BATCH - 1
+        if i % BATCH == 0:
+            batch = batch_row_sums(_logit_products, (vs, src_ptrs, u), i, N, BATCH, BLOCK_H, PACK)
+        square_sum, vu = batch[0][i % BATCH], batch[1][i % BATCH]
         logit = vu * tl.rsqrt(square_sum / H + eps)
         new_max = tl.maximum(running_max, logit)
         rescale = tl.exp(running_max - new_max)
@@ -65,69 +53,37 @@ def _mix_tile(
         normed = x * out_rstd[:, None] * gamma_out[None, :]
         tl.store(normed_ptr + offs, normed.to(normed_ptr.dtype.element_ty), mask=mask)
         tl.store(out_rstd_ptr + rows, out_rstd, mask=row_mask)
-    return next_vs
 
 
 @triton.jit
 def _depth_attention_fwd_kernel(
     src_ptrs, query_ptr, norm_weight_ptr, out_ptr, lse_ptr, out_norm_weight_ptr, normed_ptr, out_rstd_ptr,
     T, H, eps, out_norm_eps,
-    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, FUSE_REDUCTIONS: tl.constexpr,
-    NORM_OUT: tl.constexpr, PRELOAD: tl.constexpr, PACK: tl.constexpr, NEXT_TILE: tl.constexpr, BATCH: tl.constexpr,
+    N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, NORM_OUT: tl.constexpr, PACK: tl.constexpr,
+    BATCH: tl.constexpr,
 ):
-    """One program per token tile (``NEXT_TILE`` 0), or a persistent grid whose programs walk the tiles
-    (``tile = pid, pid + programs, ...``) with the next tile's rows in flight while this tile is mixed:
-    ``NEXT_TILE`` 1, source i's after this tile's source i is unpacked; 2, all n at the top of the tile (twice
-    the rows in registers). ``PRELOAD``: the n loads issued before the first row reduction (implied by
-    ``NEXT_TILE``). ``PACK`` (``FORWARD_PACK_ROWS``): the sources' 2-byte rows loaded and held as int32 pairs,
-    unpacked at use (``rows._load_rows``): the same values, so the same results bit for bit. ``BATCH`` (1, 2 or 4;
-    more than 1 needs the rows held: ``PRELOAD`` or ``NEXT_TILE``): the row sums of that many sources in one
-    reduction (``reductions.batch_row_sums``), one cross-warp exchange instead of BATCH."""
-    if NEXT_TILE == 0:
-        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        row_mask = rows < T
-        cols = tl.arange(0, BLOCK_H)
-        col_mask = cols < H
-        mask = row_mask[:, None] & col_mask[None, :]
-        offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
-        # rows._tile_offsets's result, written out: computing the rows before cols, in this order, keeps ptxas at
-        # 80 registers at n = 4 where the helper's order (cols first) took 96
-        tile_at = (rows, row_mask, mask, offs)
-        u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        # No stores before the mix: a store may alias the next source, which would keep the compiler from
-        # issuing the n loads early. PRELOAD: all n loads are issued first in program order (each source's
-        # row reduction is a barrier, which later loads do not move above).
-        vs = ()
-        if PRELOAD:
-            for i in tl.static_range(N):
-                vs = vs + (_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK),)
-        _mix_tile(src_ptrs, vs, tile_at, tile_at, u, cols, col_mask, out_ptr, lse_ptr, out_norm_weight_ptr,
-                  normed_ptr, out_rstd_ptr, H, eps, out_norm_eps, N, BLOCK_T, BLOCK_H, FUSE_REDUCTIONS, NORM_OUT,
-                  PRELOAD, PACK, NEXT_TILE, BATCH)
-    else:
-        pid = tl.program_id(0)
-        num_programs = tl.num_programs(0)
-        cols = tl.arange(0, BLOCK_H)
-        col_mask = cols < H
-        first = _tile_offsets(pid, T, H, cols, col_mask, BLOCK_T)
-        vs = ()
-        for i in tl.static_range(N):
-            vs = vs + (_load_rows(src_ptrs[i], first, H, BLOCK_H, PACK),)
-        for tile in range(pid, tl.cdiv(T, BLOCK_T), num_programs):
-            tile_at = _tile_offsets(tile, T, H, cols, col_mask, BLOCK_T)
-            following = _tile_offsets(tile + num_programs, T, H, cols, col_mask, BLOCK_T)  # masked off past T
-            if NEXT_TILE == 2:
-                next_vs = ()
-                for i in tl.static_range(N):
-                    next_vs = next_vs + (_load_rows(src_ptrs[i], following, H, BLOCK_H, PACK),)
-            # [h] vectors loaded per tile (cache hits): held across the loop they would cost registers
-            u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-            loaded = _mix_tile(src_ptrs, vs, tile_at, following, u, cols, col_mask, out_ptr, lse_ptr,
-                               out_norm_weight_ptr, normed_ptr, out_rstd_ptr, H, eps, out_norm_eps, N, BLOCK_T,
-                               BLOCK_H, FUSE_REDUCTIONS, NORM_OUT, PRELOAD, PACK, NEXT_TILE, BATCH)
-            if NEXT_TILE == 1:
-                vs = loaded
-            else:
-                vs = next_vs
+    """One program per token tile; the n source loads are issued before the first row reduction. ``PACK``: the
+    sources' 2-byte rows loaded and held as int32 pairs, unpacked at use (``rows._load_rows``): the same values,
+    so the same results bit for bit (the launcher packs where h is even and the sources 4-byte aligned). ``BATCH``
+    (1, 2 or 4; ``fused.FORWARD_LAUNCH`` by the call's width): the row sums of that many sources in one reduction
+    (``reductions.batch_row_sums``), one cross-warp exchange instead of BATCH. A persistent grid with the next
+    tile's rows in flight was measured and dropped (docs/bench/history/attn_res-notes.md)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < T
+    cols = tl.arange(0, BLOCK_H)
+    col_mask = cols < H
+    mask = row_mask[:, None] & col_mask[None, :]
+    offs = rows.to(tl.int64)[:, None] * H + cols[None, :]
+    # rows._tile_offsets's result, written out: computing the rows before cols, in this order, keeps ptxas at
+    # 80 registers at n = 4 where the helper's order (cols first) took 96
+    tile_at = (rows, row_mask, mask, offs)
+    u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    u = u * tl.load(norm_weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    # No stores before the mix: a store may alias the next source, which would keep the compiler from
+    # issuing the n loads early. All n loads are issued first in program order (each source's row reduction
+    # is a barrier, which later loads do not move above).
+    vs = ()
+    for i in tl.static_range(N):
+        vs = vs + (_load_rows(src_ptrs[i], tile_at, H, BLOCK_H, PACK),)
+    _mix_tile(src_ptrs, vs, tile_at, u, cols, col_mask, out_ptr, lse_ptr, out_norm_weight_ptr,
+              normed_ptr, out_rstd_ptr, H, eps, out_norm_eps, N, BLOCK_T, BLOCK_H, NORM_OUT, PACK, BATCH)

@@ -42,9 +42,6 @@ from kernels.attn_res.grads import SourceGrad, _graph_task
 
 __all__ = ["DepthPair"]
 
-# Set False to run every call's backward on its own (benchmark A/B; read at backward time).
-PAIR_BACKWARD = True
-
 
 class _Role:
     __slots__ = ("pair", "index")

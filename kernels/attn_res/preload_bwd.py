@@ -1,15 +1,14 @@
-"""The default depth-attention backward kernel (``fused.BACKWARD_KERNEL = "preload"``) and the launch that
-adds up its per-program partial sums (docs/attn_res.md, "Backward, second version").
+"""The depth-attention backward kernel and the kernel that adds up its per-program partial sums (launched by
+``backward.py`` with the launch table ``fused.BACKWARD_LAUNCH``; docs/attn_res.md, "Kernels and files").
 
-The preload kernel issues the loads of a token tile (all n sources, the output and its gradient) before
-any store, with the sources held as loaded in tuples, so a program keeps far more bytes in flight than the
-streaming kernel in ``fused.py`` (which loads one source ahead). With ``RELOAD`` (the default,
-``fused.BACKWARD_RELOAD``) the grad loop reads each source again (an L2 hit) and its old grad next to its
-store, which leaves registers for one row over 4 warps, two programs per SM. It can also serve a paired second call
-(``backward.PairedCall``: the MLP sublayer's mix over the same blocks as the attention sublayer's), writing
-both calls' source gradients in one read-modify-write of each shared block; that call's own pass (``SUBSET``)
-hands it the gradient of its mix and the softmax backward's ``c`` (``HANDOFF``). The maths per source is the
-streaming kernel's (module docstring of ``fused.py``).
+The backward issues the loads of a token tile (all n sources, the output and its gradient) before any store,
+with the sources held as loaded in tuples, so a program keeps many bytes in flight (a streaming kernel that
+loaded one source ahead was slower and is gone: docs/bench/history/attn_res-notes.md). The grad loop reads each
+source again (an L2 hit) and loads its old grad right after that source's row reductions, which leaves registers
+for one row over 4 warps, two programs per SM. It can also serve a paired second call (``backward.PairedCall``:
+the MLP sublayer's mix over the same blocks as the attention sublayer's), writing both calls' source gradients
+in one read-modify-write of each shared block; that call's own pass (``SUBSET``) hands it the gradient of its
+mix and the softmax backward's ``c`` (``HANDOFF``). The maths per source is in ``fused.py``'s module docstring.
 """
 
 import triton
@@ -76,14 +75,11 @@ def _depth_attention_bwd_preload_kernel(
     T, H, eps, out_norm_eps,
     N: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     NORM_OUT: tl.constexpr, SUBSET: tl.constexpr, PAIRED: tl.constexpr, HANDOFF: tl.constexpr,
-    OUT_NORM_GRAD: tl.constexpr,
-    RELOAD: tl.constexpr, PIPELINE: tl.constexpr, STAGES: tl.constexpr, PACK: tl.constexpr,
-    BATCH: tl.constexpr,
+    OUT_NORM_GRAD: tl.constexpr, PACK: tl.constexpr, BATCH: tl.constexpr,
 ):
     """The backward with the loads of a token tile issued before any store (``dy``, ``out``, the
-    n sources, and without ``RELOAD`` the old grads being added to), kept in registers as loaded
-    (tuples over the unrolled sources); then the reductions and the grads, stored source by source.
-    The streaming kernel could only prefetch one source ahead (its stores might alias the next loads).
+    n sources), kept in registers as loaded (tuples over the unrolled sources); then the reductions and the
+    grads, stored source by source (a store might alias a later load, so loads after it wait for it).
 
     ``SUBSET``: the sources are some of the call's (``lse`` covers all of them), so one source
     does not mean a constant softmax. ``PAIRED`` > 0: the first PAIRED sources also get the
@@ -97,20 +93,13 @@ def _depth_attention_bwd_preload_kernel(
     the fp32 ``out``, and runs no norm backward). ``OUT_NORM_GRAD``: accumulate ``dgamma_o`` of this call.
     Without ``SUBSET`` the kernel sees all of the call's sources and takes the softmax backward's
     ``c`` from them; with it (and for the second call of a pair, whose sources are split over two
-    kernels) ``c`` comes from the stored output (saved in fp32 for a pair's second call). ``RELOAD``: the
-    grad loop reloads each source (just read by this program: an L2 hit) and loads its old grad there,
-    instead of holding both from the top (fewer registers, so more programs per SM).
-
-    ``PIPELINE`` (``fused.BACKWARD_PIPELINE``, bits; loads are issued in program order, and a later load never
-    passes a store): 1, each old grad is loaded right after its source's row reductions (into the registers
-    that source's row freed with ``RELOAD``), so the old grads' HBM latency overlaps the remaining reductions
-    instead of being waited for once per source between stores; 2, the next tile's rows: its ``dy`` and ``out``
-    after this tile's first store, its source i after this tile's store of source i, carried to the next
-    iteration, so they load during this tile's grad pass; 4, with ``RELOAD``, source i + 1 reloaded before
-    source i's store (one L2 round trip per source less on the grad pass's critical path). ``STAGES``: the tile
-    loop as ``tl.range(num_stages=STAGES)`` (Triton's software pipelining: the tile's loads become async copies
-    into shared memory; None: off).
-    ``PACK``: rows held across code (``dy``, ``out``, sources, old grads) as int32 pairs (``_load_rows``).
+    kernels) ``c`` comes from the stored output (saved in fp32 for a pair's second call). The grad
+    loop reloads each source (just read by this program: an L2 hit) instead of holding it from the top (fewer
+    registers, so more programs per SM), and each old grad is loaded right after its source's row reductions
+    (into the registers that source's row freed), so its HBM latency overlaps the remaining reductions instead
+    of being waited for once per source between stores (docs/bench/attnres-sweep-h200.json).
+    ``PACK``: rows held across code (``dy``, ``out``, sources, old grads) as int32 pairs (``_load_rows``; where h
+    is even and every 2-byte tensor 4-byte aligned).
     ``BATCH`` (1, 2 or 4; 1 with ``HANDOFF``): the row sums of that many sources in one reduction
     (``reductions.batch_row_sums``), one cross-warp exchange instead of BATCH."""
     tl.static_assert(BATCH == 1 or not HANDOFF, "the handoff's c is reduced with source 0's sums alone")
@@ -124,24 +113,13 @@ def _depth_attention_bwd_preload_kernel(
     if PAIRED > 0:
         g2_acc = tl.zeros([BLOCK_H], tl.float32)
 
-    if PIPELINE & 2:  # the first tile's rows; each later tile's are loaded during the tile before it
-        dy_raw, out_raw, dmix2_raw, vs = _tile_rows(
-            src_ptrs, grad_out_ptr, out_ptr, grad_mix2_ptr, _tile_offsets(pid, T, H, cols, col_mask, BLOCK_T),
-            H, N, BLOCK_H, PAIRED, PACK)
-
-    for tile in tl.range(pid, tl.cdiv(T, BLOCK_T), num_programs, num_stages=STAGES):
+    for tile in tl.range(pid, tl.cdiv(T, BLOCK_T), num_programs):
         tile_at = _tile_offsets(tile, T, H, cols, col_mask, BLOCK_T)
         rows, row_mask, mask, offs = tile_at
-        if not PIPELINE & 2:  # -- every load of the tile first ------------------------------------------
-            dy_raw, out_raw, dmix2_raw, vs = _tile_rows(
-                src_ptrs, grad_out_ptr, out_ptr, grad_mix2_ptr, tile_at, H, N, BLOCK_H, PAIRED, PACK)
+        # -- every load of the tile first ---------------------------------------------------------------
+        dy_raw, out_raw, dmix2_raw, vs = _tile_rows(
+            src_ptrs, grad_out_ptr, out_ptr, grad_mix2_ptr, tile_at, H, N, BLOCK_H, PAIRED, PACK)
         olds = ()  # the old grads being added to (placeholders where not accumulated; never read)
-        if not PIPELINE & 1:
-            for i in tl.static_range(N):
-                if (ACCUMULATE >> i) & 1 and not RELOAD:
-                    olds = olds + (_load_rows(grad_ptrs[i], tile_at, H, BLOCK_H, PACK),)
-                else:
-                    olds = olds + (vs[i],)  # with RELOAD: loaded next to the store
         lse = tl.load(lse_ptr + rows, mask=row_mask, other=0.0)
         # [h] vectors: loaded per tile (cache hits); held across the loop they cost registers.
         u = tl.load(query_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -196,11 +174,11 @@ def _depth_attention_bwd_preload_kernel(
                 logits2, das2 = logits2 + (vu2 * rstd,), das2 + (da2,)
             if not SUBSET:
                 c_exact += tl.exp(vu * rstd - lse) * da
-            if PIPELINE & 1:
-                if (ACCUMULATE >> i) & 1:
-                    olds = olds + (_load_rows(grad_ptrs[i], tile_at, H, BLOCK_H, PACK),)
-                else:
-                    olds = olds + (vs[i],)  # placeholder: not accumulated
+            # the old grad, into the registers this source's row freed (reloaded in the grad pass)
+            if (ACCUMULATE >> i) & 1:
+                olds = olds + (_load_rows(grad_ptrs[i], tile_at, H, BLOCK_H, PACK),)
+            else:
+                olds = olds + (vs[i],)  # placeholder: not accumulated
         if not SUBSET:
             # c = sum_i a_i (dout . v_i), the softmax backward's own sum, from the sources. dout . out
             # (above) takes out as stored, rounded to bf16: dlogit_i = a_i (dout . v_i - c) is a difference
@@ -208,20 +186,8 @@ def _depth_attention_bwd_preload_kernel(
             # 5-10x less precise than PyTorch's bf16 autograd (docs/attn_res.md, "Precision of c").
             c = c_exact
         # -- per source: grad, store --------------------------------------------------------------
-        if PIPELINE & 2:
-            following = _tile_offsets(tile + num_programs, T, H, cols, col_mask, BLOCK_T)  # the next tile
-            next_vs = ()
-        if RELOAD and PIPELINE & 4:
-            v_ahead = _load_rows(src_ptrs[0], tile_at, H, BLOCK_H, PACK)
         for i in tl.static_range(N):
-            if RELOAD and PIPELINE & 4:  # reloaded one source ahead: before this source's store
-                v = _rows_f32(v_ahead, src_ptrs[i], BLOCK_H, PACK)
-                if i + 1 < N:
-                    v_ahead = _load_rows(src_ptrs[i + 1], tile_at, H, BLOCK_H, PACK)
-            elif RELOAD:
-                v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-            else:
-                v = _rows_f32(vs[i], src_ptrs[i], BLOCK_H, PACK)
+            v = tl.load(src_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)  # reloaded: an L2 hit
             rstd, logit = rstds[i], logits[i]
             a = tl.exp(logit - lse)
             coef = a * (das[i] - c) * rstd  # dlogit_i * r_i
@@ -240,20 +206,8 @@ def _depth_attention_bwd_preload_kernel(
             else:
                 dv = a[:, None] * dout + coef[:, None] * (u[None, :] - (logit * rstd / H)[:, None] * v)
             if (ACCUMULATE >> i) & 1:
-                if RELOAD and not PIPELINE & 1:
-                    dv += tl.load(grad_ptrs[i] + offs, mask=mask, other=0.0).to(tl.float32)
-                else:
-                    dv += _rows_f32(olds[i], grad_ptrs[i], BLOCK_H, PACK)
+                dv += _rows_f32(olds[i], grad_ptrs[i], BLOCK_H, PACK)
             tl.store(grad_ptrs[i] + offs, dv.to(grad_ptrs[i].dtype.element_ty), mask=mask)
-            if PIPELINE & 2:  # the next tile's rows (masked off past the last tile), into the freed registers
-                next_vs = next_vs + (_load_rows(src_ptrs[i], following, H, BLOCK_H, PACK),)
-                if i == 0:
-                    dy_raw = _load_rows(grad_out_ptr, following, H, BLOCK_H, PACK)
-                    out_raw = _load_rows(out_ptr, following, H, BLOCK_H, PACK)
-                    if PAIRED > 0:
-                        dmix2_raw = _load_rows(grad_mix2_ptr, following, H, BLOCK_H, PACK)
-        if PIPELINE & 2:
-            vs = next_vs
 
     tl.store(partial_g_ptr + pid.to(tl.int64) * H + cols, g_acc, mask=col_mask)
     if NORM_OUT and OUT_NORM_GRAD:
@@ -281,7 +235,7 @@ def _depth_attention_finish_kernel(
         # P is a compile-time constant (the backward's one-wave grid: one value per device and specialisation), so
         # the loop unrolls; the rows are added elementwise into a [BLOCK_P, BLOCK] accumulator and reduced across
         # threads once at the end, so the loads do not wait on a cross-warp reduction each (a runtime loop with a
-        # reduction per BLOCK_P rows took 0.318 ms over the benchmark's 17 calls against 0.086, H200 sweep).
+        # reduction per BLOCK_P rows was ~4x slower: docs/bench/attnres-sweep-finish-h200.json).
         acc2 = tl.zeros([BLOCK_P, BLOCK], tl.float32)
         for p0 in tl.static_range(0, P, BLOCK_P):
             prow = p0 + tl.arange(0, BLOCK_P)

@@ -6,7 +6,7 @@ CPU tests minutes long). The compiled path is checked by the compile tests and t
 
 ``batch_row_sums``: several sources' products of one kind stacked into one tensor (``tl.join``: trailing axes of
 size 2, held in the same threads), so that one row reduction sums them all: the kernels reduce up to B sources at
-once (``fused.FORWARD_SOURCES_PER_REDUCTION``, ``fused.BACKWARD_SOURCES_PER_REDUCTION``) and wait on one cross-warp
+once (``sources_per_reduction`` of ``fused.FORWARD_LAUNCH`` and ``fused.BACKWARD_LAUNCH``) and wait on one cross-warp
 exchange instead of B."""
 
 import os

@@ -6,6 +6,7 @@ restart at every sequence start; the host computes each chunk's first token and 
 """
 
 import functools
+from types import MappingProxyType
 
 import torch
 import triton
@@ -18,26 +19,32 @@ from kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_b
 from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel, walk_operands_kernel
 
 CHUNK = 64
-# Launch configs (V tile BV, num_warps, num_stages). 4 warps everywhere but the output kernel: a one-knob sweep
-# on the H200 (tools/sweep_kda_kernels.py, docs/bench/kda-sweep-h200.json, B4 T8192 H32 D128) measured each
-# 4-warp config faster than the 8-warp one it replaced although ptxas reports spills for intra_fwd and the
-# state walks at 4 warps (tests/kernels/test_kda_compile.py holds those spills to the measured configs).
-INTRA_FWD_CONFIG = dict(BV=32, num_warps=4)
+
+
+def _launch(**choices) -> MappingProxyType:
+    """One kernel's launch table (tile constexprs, num_warps, num_stages): read-only, fixed at import."""
+    return MappingProxyType(choices)
+
+
+# Launch tables (V tile BV, num_warps, num_stages), fixed here. 4 warps everywhere but the output kernel: a
+# one-knob sweep on the H200 (docs/bench/kda-sweep-h200.json, B4 T8192 H32 D128) measured each 4-warp table
+# faster than the 8-warp one it replaced although ptxas reports spills for intra_fwd and the state walks at 4 warps
+# (tests/kernels/test_kda_compile.py holds those spills to the measured tables).
+INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4)
 # The state walks: one program per (V tile, sequence, head), each walks its sequence's chunks in order, one
 # chunk step after another (latency-bound). The narrowest tile that still fits the programs in one wave on the
-# SMs, else the widest (state_config). H200, B1 T16384 H16 (16 sequence-heads): BV 16 (128 programs) 0.65 +
-# 0.58 ms vs BV 32 0.70 + 0.61 (fwd + bwd walk); B2 T4096 H16: BV 32 (128 programs) 0.18 + 0.17 ms vs BV 16
-# (256) 0.21 + 0.29; B4 T8192 H32: BV 64 (256 programs) beat BV 32 (docs/bench/kda-sweep-walk-h200.json).
-STATE_CONFIGS = (dict(BV=16, num_warps=4), dict(BV=32, num_warps=4), dict(BV=64, num_warps=4))
-WALK_OPERANDS_CONFIG = dict(num_warps=8)  # 4 warps spill (ptxas, sm_90)
-OUTPUT_CONFIG = dict(BV=64, num_warps=4)
+# SMs, else the widest (state_config): more walkers win until they no longer run at once (H200, per shape:
+# docs/bench/kda-sweep-walk-h200.json, docs/bench/kda-sweep-16k-state-h200.json).
+STATE_CONFIGS = (_launch(BV=16, num_warps=4), _launch(BV=32, num_warps=4), _launch(BV=64, num_warps=4))
+WALK_OPERANDS_CONFIG = _launch(num_warps=8)  # 4 warps spill (ptxas, sm_90)
+OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
 # gate cumsum + L2 norm of q and k: one tensor per program in 16-row blocks; 64 registers at 4 warps, so ~8
 # programs share an SM (memory bound: what matters is how many loads are in flight)
-GATE_CONFIG = dict(RB=16, num_warps=4)
-DV_CONFIG = dict(BV=32, num_warps=4, num_stages=3)
-INTER_BWD_CONFIG = dict(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
-DQK_CONFIG = dict(num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
-GATE_BWD_CONFIG = dict(num_warps=4)
+GATE_CONFIG = _launch(RB=16, num_warps=4)
+DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=3)
+INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
+DQK_CONFIG = _launch(num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
+GATE_BWD_CONFIG = _launch(num_warps=4)
 BKT = 32  # K tile of the dq/dk/dg kernels (never 16: see _block_k)
 KS = 64  # K slice of the decayed products in intra_fwd_kernel
 L2_ROWS = 32  # rows per program of the L2-norm backward
@@ -76,7 +83,7 @@ def _to_device(values: list[int], device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def state_config(num_seqs: int, H: int, V: int, device) -> dict:
+def state_config(num_seqs: int, H: int, V: int, device) -> MappingProxyType:
     """The narrowest V tile (most walkers) whose programs all run at once on the SMs, else the widest."""
     sms = _sm_count(device)
     for config in STATE_CONFIGS:

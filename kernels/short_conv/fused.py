@@ -24,6 +24,7 @@ BWD_PROGRAMS_PER_SM programs per SM, T + K - 1 a multiple of U).
 """
 
 import functools
+from types import MappingProxyType
 
 import torch
 import triton
@@ -31,12 +32,12 @@ import triton.language as tl
 
 # Forward tiles (time steps, channels, warps): channel tiles of 128 keep rows at 256 contiguous bytes in
 # bf16. Time tiles are short because the compiler issues all K shifted loads of a tile at once.
-FWD_CONFIG = dict(BT=16, BC=128, num_warps=4)
+FWD_CONFIG = MappingProxyType(dict(BT=16, BC=128, num_warps=4))  # launch tables: read-only
 # Backward: one warp per program, 4 channels per thread (8-byte bf16 loads), U rows per load group.
 # Offline sm_90 compiles (C a multiple of 16): 64 (fwd) / 178 (bwd) registers at K = 4, no spills up to
 # K = 8, where U is halved (tests/kernels/test_short_conv_compile.py). At 178 registers 11 one-warp
 # programs fit an SM, each with 2 x U rows of x and dy (4 KB) in flight at the top of a group.
-BWD_CONFIG = dict(U=8, BC=128, num_warps=1)
+BWD_CONFIG = MappingProxyType(dict(U=8, BC=128, num_warps=1))
 BWD_SMALL_U_ABOVE_K = 4  # K > 4: U / 2 (the K-1 row windows need the registers)
 # Chunk length T: about BWD_PROGRAMS_PER_SM programs per SM in all, at least BWD_MIN_GROUPS groups of U
 # steps each so the halo rows (K-1 at each end) and the dw partial sums stay a small fraction of the bytes.

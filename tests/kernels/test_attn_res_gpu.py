@@ -141,16 +141,12 @@ def _rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("kernel", ["preload", "stream"])
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("num_blocks", [1, 8])
-def test_bf16_layer_block_grads_match_fp32(monkeypatch, kernel, paired, num_blocks):
+def test_bf16_layer_block_grads_match_fp32(paired, num_blocks):
     # Against the fp32 torch path the blocks' grads stay within 3x the error of the bf16 torch path plus 2e-2
     # (this layer amplifies bf16 rounding: on the H200, 2026-12-01, bf16 torch itself is off by up to 27% on a
     # block's grad with 8 blocks, which is why a plain 2e-2 bound failed for every implementation).
-    import kernels.attn_res.fused as fused
-
-    monkeypatch.setattr(fused, "BACKWARD_KERNEL", kernel)
     run = _paired_layer_grads(num_blocks)
     got = run(torch.bfloat16, "triton", paired)
     want, bf16_torch = run(torch.float32, "torch", False), run(torch.bfloat16, "torch", False)
@@ -159,40 +155,19 @@ def test_bf16_layer_block_grads_match_fp32(monkeypatch, kernel, paired, num_bloc
         assert _rel(got[i], want[i]) <= bound, f"block {i}: {_rel(got[i], want[i]):.3e} > {bound:.3e}"
 
 
-@pytest.mark.parametrize("kernel_layout", ["default", "unpacked", "batch1", "bwd-batch2", "bwd-batch4"])
 @pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("num_blocks", [1, 8])
-def test_bf16_preload_every_grad_as_precise_as_torch_bf16(monkeypatch, num_blocks, paired, kernel_layout):
-    # The default kernel takes the softmax backward's c from the sources (preload_bwd.py), and the second call
-    # of a pair from its output saved in fp32 (function.py): every grad, the mixers' parameters included,
-    # within 2x the bf16 torch path's error (+ 5e-3); the default (packed, pipelined) and the unpacked layouts.
-    import kernels.attn_res.fused as fused
-    from tools.sweep_attnres_kernels import layout, layout_changes
-
-    monkeypatch.setattr(fused, "BACKWARD_KERNEL", "preload")
+def test_bf16_every_grad_as_precise_as_torch_bf16(num_blocks, paired):
+    # The kernel takes the softmax backward's c from the sources (preload_bwd.py), and the second call of a pair
+    # from its output saved in fp32 (function.py): every grad, the mixers' parameters included, within 2x the
+    # bf16 torch path's error (+ 5e-3), at the shipped launch tables (other sources-per-reduction choices: the
+    # interpreter cases of test_attn_res_pipeline_kernel.py).
     run = _paired_layer_grads(num_blocks)
-    with layout(layout_changes(kernel_layout)):
-        got = run(torch.bfloat16, "triton", paired)
+    got = run(torch.bfloat16, "triton", paired)
     want, bf16_torch = run(torch.float32, "torch", False), run(torch.bfloat16, "torch", False)
     for i, (a, w, t) in enumerate(zip(got, want, bf16_torch)):
         if w.abs().max() > 0:  # the first mixer sees one source: its grads are exactly zero
             assert _rel(a, w) <= 2 * _rel(t, w) + 5e-3, f"grad {i}: {_rel(a, w):.3e} vs bf16 torch {_rel(t, w):.3e}"
-
-
-@pytest.mark.xfail(strict=True, reason="known gap of the streaming kernel (H200, 2026-12-01): it takes the softmax "
-                   "backward's c from the stored bf16 output; with one block and the bf16 mixer output p as a second "
-                   "source the MLP mixer's query / norm-weight grads are 12% / 18% off the fp32 path against 1.8% / "
-                   "2.7% for the bf16 torch path (the preload kernel, the default, computes c from the sources)")
-def test_bf16_stream_kernel_parameter_grads_as_precise_as_bf16_torch(monkeypatch):
-    import kernels.attn_res.fused as fused
-
-    monkeypatch.setattr(fused, "BACKWARD_KERNEL", "stream")
-    run = _paired_layer_grads(1)
-    got, want, bf16_torch = run(torch.bfloat16, "triton", False), run(torch.float32, "torch", False), \
-        run(torch.bfloat16, "torch", False)
-    for i in range(1, len(want)):
-        if want[i].abs().max() > 0:  # the first mixer sees one source: its grads are exactly zero
-            assert _rel(got[i], want[i]) <= 2 * _rel(bf16_torch[i], want[i]) + 5e-3, f"parameter grad {i}"
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
@@ -206,30 +181,31 @@ def test_finish_kernel_parameter_grads_bit_identical_to_torch_products(param_dty
 
 @pytest.mark.parametrize("norm", [False, True], ids=["mix", "mix+rmsnorm"])
 @pytest.mark.parametrize("n", [2, 9])
-def test_bf16_forward_variants_match_default_and_fp32_reference(n, norm):
-    # tools/sweep_attnres_kernels.py's forward layouts (fused.FORWARD_PACK_ROWS, FORWARD_NEXT_TILE,
-    # FORWARD_SOURCES_PER_REDUCTION; interpreter checks in test_attn_res_forward_variants.py): packed rows give the
-    # unpacked rows' numbers bit for bit; the other layouts reduce a row in another order, so they are held to the
-    # fp32 reference like the default.
+def test_bf16_forward_launch_choices_match_shipped_and_fp32_reference(n, norm):
+    # Other sources per row reduction than the shipped table's (passed as a launch table; interpreter checks in
+    # test_attn_res_forward_variants.py) reduce a row in another order, so they are held to the fp32 reference
+    # like the shipped launch; unpacked rows (sources 2-byte aligned only) give the packed rows' numbers bit for bit.
+    import dataclasses
+
     import kernels.attn_res.fused as fused
     from kernels.attn_res.naive import rms_norm_reference
-    from tools.sweep_attnres_kernels import CONFIGS, layout
 
     sources, query, norm_weight, _ = _inputs(n, 1001, 2048, seed=3 * n + norm)
     gamma_o = (1 + 0.3 * torch.randn(2048, device="cuda")).bfloat16() if norm else None
     srcs = list(sources.unbind(0))
-    default = fused.fused_depth_attention_forward(srcs, query, norm_weight, 1e-6, gamma_o, 1e-5)
+    shipped = fused.fused_depth_attention_forward(srcs, query, norm_weight, 1e-6, gamma_o, 1e-5)
     ref = depth_attention_reference(sources.float(), query, norm_weight)
-    results = {}
-    for name, changes in CONFIGS:
-        if not any(key.startswith("FORWARD") and getattr(fused, key) != value for key, value in changes.items()):
-            continue  # the default forward
-        with layout(changes):
-            got = results[name] = fused.fused_depth_attention_forward(srcs, query, norm_weight, 1e-6, gamma_o, 1e-5)
-        _assert_relative_close(got[0], ref, 1e-2, f"{name} out")
-        torch.testing.assert_close(got[1], default[1], rtol=1e-5, atol=1e-5, msg=f"{name} lse")
+    for batch in (1, 2):
+        launch = dataclasses.replace(fused.FORWARD_LAUNCH, sources_per_reduction=fused.ByWidth(((1, batch),)))
+        got = fused.fused_depth_attention_forward(srcs, query, norm_weight, 1e-6, gamma_o, 1e-5, launch=launch)
+        _assert_relative_close(got[0], ref, 1e-2, f"batch{batch} out")
+        torch.testing.assert_close(got[1], shipped[1], rtol=1e-5, atol=1e-5, msg=f"batch{batch} lse")
         if norm:
-            _assert_relative_close(got[2], rms_norm_reference(ref, gamma_o.float(), 1e-5), 1e-2, f"{name} normed")
-            torch.testing.assert_close(got[3], default[3], rtol=1e-2, atol=0, msg=f"{name} out_rstd")
-    # packed rows are the unpacked rows' values: the same numbers bit for bit
-    assert all(a is None or torch.equal(a, b) for a, b in zip(results["fwd-pack"], results["fwd-unpacked"]))
+            _assert_relative_close(got[2], rms_norm_reference(ref, gamma_o.float(), 1e-5), 1e-2, f"batch{batch} normed")
+            torch.testing.assert_close(got[3], shipped[3], rtol=1e-2, atol=0, msg=f"batch{batch} out_rstd")
+    unaligned = []
+    for v in srcs:
+        buffer = torch.empty(v.numel() + 1, dtype=v.dtype, device=v.device)
+        unaligned.append(buffer[1:].view(v.shape).copy_(v))
+    unpacked = fused.fused_depth_attention_forward(unaligned, query, norm_weight, 1e-6, gamma_o, 1e-5)
+    assert all(a is None or torch.equal(a, b) for a, b in zip(unpacked, shipped))

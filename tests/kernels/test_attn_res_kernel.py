@@ -117,20 +117,22 @@ def test_kernel_keeps_sbh_shape_and_param_dtypes():
 
 
 @interpreter_case
-@pytest.mark.parametrize("forward_tile, backward_tile", [(64, 64), (256, 128)])
-def test_kernel_matches_reference_for_other_tile_sizes(monkeypatch, forward_tile, backward_tile):
-    # h = 48 pads to 64: these give 1 and 4 tokens per forward tile, 1 and 2 per backward tile
-    # (the benchmark's --sweep changes the same constants).
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 7, 9])
+def test_shipped_launch_per_width_matches_reference(n):
+    # The launch tables (fused.FORWARD_LAUNCH, fused.BACKWARD_LAUNCH) pick the sources per row reduction and a
+    # register cap by the call's width: a width on each of their steps (the backward's 1 / 2 / 4 sources per
+    # reduction from n = 1 / 3 / 5, batches padded at n = 3, 5, 7, the forward's cap from n = 7) gives the
+    # reference's output and grads. Several tokens per tile (h = 48 pads to 64), 37 tokens: a partial last tile.
     import kernels.attn_res.fused as fused
 
-    monkeypatch.setattr(fused, "FORWARD_TILE_ELEMENTS", forward_tile)
-    monkeypatch.setattr(fused, "BACKWARD_TILE_ELEMENTS", backward_tile)
-    inputs = _inputs(3, 37, 48, seed=forward_tile)
+    forward, backward = fused.FORWARD_LAUNCH.for_call(48, n), fused.BACKWARD_LAUNCH.for_call(48, n)
+    assert forward.batch == 4 and backward.batch == (1 if n < 3 else 2 if n < 5 else 4)
+    assert forward.maxnreg == (128 if n >= 7 else None)
+    inputs = _inputs(n, 37, 48, seed=n)
     kernel = _forward_backward("triton", *inputs, as_list=True)
     reference = _forward_backward("reference", *inputs, as_list=True)
     for name, a, b in zip(("out", "d_sources", "d_query", "d_norm_weight"), kernel, reference):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
-
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"n={n} {name}")
 
 
 @interpreter_case

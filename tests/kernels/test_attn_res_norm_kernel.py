@@ -75,13 +75,11 @@ def test_torch_recompute_path_matches_reference(n):
 
 
 @interpreter_case
-@pytest.mark.parametrize("forward_tile, backward_tile", [(64, 64), (256, 128)])
-def test_fused_norm_other_tile_sizes(monkeypatch, forward_tile, backward_tile):
-    import kernels.attn_res.fused as fused
-
-    monkeypatch.setattr(fused, "FORWARD_TILE_ELEMENTS", forward_tile)
-    monkeypatch.setattr(fused, "BACKWARD_TILE_ELEMENTS", backward_tile)
-    inputs = _inputs(4, 37, 48, seed=forward_tile)
+@pytest.mark.parametrize("n", [2, 3, 5, 9])
+def test_fused_norm_shipped_launch_per_width(n):
+    # With the fused output norm, a width on each step of the launch tables (1 / 2 / 4 sources per row reduction
+    # in the backward from n = 1 / 3 / 5; fused.BACKWARD_LAUNCH) gives the reference's output and grads.
+    inputs = _inputs(n, 37, 48, seed=n)
     _assert_all_close(_forward_backward("triton", *inputs), _forward_backward("reference", *inputs))
 
 
@@ -191,15 +189,16 @@ def test_finish_kernel_parameter_grads_equal_the_torch_products(param_dtype):
 @pytest.mark.parametrize("programs", [1, 16, 37])
 def test_finish_kernel_sums_equal_an_fp64_sum(programs):
     # The [rows, programs, h] partial sums reduced over programs (the loop unrolled, one reduction at the end)
-    # against an fp64 sum; programs not a multiple of FINISH_BLOCK_P and h = 48 not a multiple of FINISH_BLOCK
-    # (both masks).
+    # against an fp64 sum; programs not a multiple of the launch table's finish_block_p and h = 48 not a multiple
+    # of its finish_block (both masks).
     from kernels.attn_res import fused
     from kernels.attn_res.preload_bwd import _depth_attention_finish_kernel
 
     rows, hidden = 3, 48
     partial = torch.randn(rows, programs, hidden, generator=torch.Generator().manual_seed(programs)) * 4
     sums = torch.full((rows, hidden), float("nan"))
-    _depth_attention_finish_kernel[(-(-hidden // fused.FINISH_BLOCK),)](
+    launch = fused.BACKWARD_LAUNCH
+    _depth_attention_finish_kernel[(-(-hidden // launch.finish_block),)](
         partial, sums, partial, partial, partial, partial, partial, hidden, P=programs, ROWS=rows,
-        BLOCK_P=fused.FINISH_BLOCK_P, BLOCK=fused.FINISH_BLOCK, PARAMETER_GRADS=False)
+        BLOCK_P=launch.finish_block_p, BLOCK=launch.finish_block, PARAMETER_GRADS=False)
     torch.testing.assert_close(sums.double(), partial.double().sum(dim=1), rtol=1e-6, atol=1e-5)

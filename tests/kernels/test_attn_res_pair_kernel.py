@@ -91,24 +91,6 @@ def test_paired_backward_without_a_later_reader():
 
 
 @interpreter_case
-def test_pairing_switched_off_at_backward_time(monkeypatch):
-    from kernels.attn_res import pair
-
-    monkeypatch.setattr(pair, "PAIR_BACKWARD", False)
-    _compare(_layer("triton", True, 3, True, True), _layer("torch", False, 3, True, True))
-
-
-@interpreter_case
-def test_stream_kernel_still_matches(monkeypatch):
-    # The earlier backward kernel stays selectable (fused.BACKWARD_KERNEL, for A/B timing);
-    # a pair then runs unpaired.
-    import kernels.attn_res.fused as fused
-
-    monkeypatch.setattr(fused, "BACKWARD_KERNEL", "stream")
-    _compare(_layer("triton", True, 3, True, True), _layer("torch", False, 3, True, True))
-
-
-@interpreter_case
 def test_untracked_or_different_sources_are_not_paired():
     blocks, _, params, _ = _leaves(2, False, False, 3)
     link = DepthPair(params[1][0], params[1][1])
@@ -144,14 +126,11 @@ def test_deferred_grads_never_collected_raise(fused_norm):
 
 
 @interpreter_case
-@pytest.mark.parametrize("kernel", ["preload", "stream"])
 @pytest.mark.parametrize("hidden", [32, 80])
-def test_backward_kernels_match_reference(monkeypatch, kernel, hidden):
-    # Both backward kernels, one source of n in {1, 4, 9}, h a power of two or not.
-    import kernels.attn_res.fused as fused
+def test_backward_kernel_matches_reference(hidden):
+    # n in {1, 4, 9}, h a power of two or not.
     from kernels.attn_res import depth_attention_reference
 
-    monkeypatch.setattr(fused, "BACKWARD_KERNEL", kernel)
     gen = torch.Generator().manual_seed(hidden)
     for n in (1, 4, 9):
         v = (torch.randn(n, 13, hidden, generator=gen) * (torch.rand(n, 1, 1, generator=gen) * 3 + 0.2))
@@ -168,50 +147,38 @@ def test_backward_kernels_match_reference(monkeypatch, kernel, hidden):
         _compare(results[0], results[1])
 
 
-def _two_source_layer_grads(kernel, dtype, impl, paired=False, tokens=64, hidden=512):
+def _two_source_layer_grads(dtype, impl, paired=False, tokens=64, hidden=512):
     """Grads of one block, a one-source mix, a two-source mix over the block and the (bf16-rounded) first
     mix's tanh, with the fused output norm, and a final one-source mix: the case where the softmax backward's
     c = sum_i a_i (dout . v_i) is a difference of close numbers. ``paired``: the two mixes share their
     backward over the block (``DepthPair``), the second one's c then comes from its saved output."""
-    import kernels.attn_res.fused as fused
-
-    saved, fused.BACKWARD_KERNEL = fused.BACKWARD_KERNEL, kernel
-    try:
-        gen = torch.Generator().manual_seed(5)
-        block = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(dtype).requires_grad_(True)
-        params = [[(torch.randn(hidden, generator=gen) * 0.3).requires_grad_(True),
-                   (1 + 0.2 * torch.randn(hidden, generator=gen)).requires_grad_(True),
-                   (1 + 0.2 * torch.randn(hidden, generator=gen)).requires_grad_(True)] for _ in range(3)]
-        weights = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
-        source, source_grad = track_source_grad(block)
-        link = DepthPair(*params[1][:2]) if paired else None
-        x = depth_attention([source], *params[0][:2], impl=impl, source_grads=[source_grad],
-                            out_norm_weight=params[0][2], pair=link.first if paired else None)
-        p = torch.tanh(x.float()).to(dtype)
-        y = depth_attention([source, p], *params[1][:2], impl=impl, source_grads=[source_grad, None],
-                            out_norm_weight=params[1][2], pair=link.second if paired else None)
-        z = depth_attention([source], *params[2][:2], impl=impl, source_grads=[source_grad],
-                            out_norm_weight=params[2][2])
-        loss = (y.float() * weights[0]).sum() + (z.float() * weights[1]).sum()
-        return torch.autograd.grad(loss, [block] + params[1])  # the block, the two-source mix's parameters
-    finally:
-        fused.BACKWARD_KERNEL = saved
+    gen = torch.Generator().manual_seed(5)
+    block = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(dtype).requires_grad_(True)
+    params = [[(torch.randn(hidden, generator=gen) * 0.3).requires_grad_(True),
+               (1 + 0.2 * torch.randn(hidden, generator=gen)).requires_grad_(True),
+               (1 + 0.2 * torch.randn(hidden, generator=gen)).requires_grad_(True)] for _ in range(3)]
+    weights = [torch.randn(tokens, hidden, generator=gen) for _ in range(2)]
+    source, source_grad = track_source_grad(block)
+    link = DepthPair(*params[1][:2]) if paired else None
+    x = depth_attention([source], *params[0][:2], impl=impl, source_grads=[source_grad],
+                        out_norm_weight=params[0][2], pair=link.first if paired else None)
+    p = torch.tanh(x.float()).to(dtype)
+    y = depth_attention([source, p], *params[1][:2], impl=impl, source_grads=[source_grad, None],
+                        out_norm_weight=params[1][2], pair=link.second if paired else None)
+    z = depth_attention([source], *params[2][:2], impl=impl, source_grads=[source_grad],
+                        out_norm_weight=params[2][2])
+    loss = (y.float() * weights[0]).sum() + (z.float() * weights[1]).sum()
+    return torch.autograd.grad(loss, [block] + params[1])  # the block, the two-source mix's parameters
 
 
 @interpreter_case
-@pytest.mark.parametrize("kernel, paired", [
-    ("preload", False),
-    ("preload", True),  # the second call's c from its output, saved in fp32
-    pytest.param("stream", False, marks=pytest.mark.xfail(
-        strict=True, reason="the streaming kernel takes c from the stored bf16 output (docs/attn_res.md, "
-                            "Precision of c)")),
-], ids=["preload", "preload+pair", "stream"])
-def test_bf16_two_source_mix_grads_as_precise_as_torch_bf16(kernel, paired):
+@pytest.mark.parametrize("paired", [False, True], ids=["unpaired", "pair"])  # paired: c from the fp32 output
+def test_bf16_two_source_mix_grads_as_precise_as_torch_bf16(paired):
     """bf16 in the interpreter (these kernels have no tl.dot, so its bf16 is the GPU's): every grad within 2x
     the error of PyTorch's bf16 autograd (+ 5e-3) against fp32."""
-    want = _two_source_layer_grads(kernel, torch.float32, "torch")
-    torch_bf16 = _two_source_layer_grads(kernel, torch.bfloat16, "torch")
-    got = _two_source_layer_grads(kernel, torch.bfloat16, "triton", paired=paired)
+    want = _two_source_layer_grads(torch.float32, "torch")
+    torch_bf16 = _two_source_layer_grads(torch.bfloat16, "torch")
+    got = _two_source_layer_grads(torch.bfloat16, "triton", paired=paired)
 
     def rel(a, b):
         return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()

@@ -1,12 +1,16 @@
-"""The preload backward's layouts (``fused.BACKWARD_PIPELINE``, ``fused.BACKWARD_TILE_STAGES``,
-``fused.BACKWARD_SOURCES_PER_REDUCTION``) on the CPU interpreter (fp32): every variant's source grads and sums equal
-the default kernel's and the plain autograd reference's, for n in {1, 4, 9}, with and without the fused output norm,
-accumulated into or not, unpaired and paired (with the second call's own-source ``subset`` pass), one token per tile
-as at h = 2048 on the GPU, so each program walks several tiles and its last prefetch falls past the end; token
-counts that are not a multiple of the tile, and fewer tiles than the interpreter's two programs.
+"""The backward's launch choices on the CPU interpreter (fp32): the row sums of 1, 2 or 4 sources in one reduction
+(``sources_per_reduction`` of ``fused.BACKWARD_LAUNCH``, here for every width) give the shipped table's source
+grads and sums and the plain autograd reference's, for n in {1, 4, 9}, with and without the fused output norm,
+accumulated into or not, unpaired and paired (with the second call's own-source ``subset`` pass), one token per
+tile as at h = 2048 on the GPU (a launch table with 32-element tiles), so each program walks several tiles;
+token counts that are not a multiple of the tile, and fewer tiles than the interpreter's two programs. In 16 bits
+the rows loaded as int32 pairs (aligned inputs) give the unpacked loads' results (inputs 2-byte aligned only)
+bit for bit.
 
 The cases run in a ``TRITON_INTERPRET=1`` subprocess started by ``test_cases_under_interpreter``.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -16,27 +20,33 @@ from tests.kernels.interpreter import interpreter_case, launcher_test
 test_cases_under_interpreter = launcher_test(__file__)
 
 HIDDEN, EPS, OUT_NORM_EPS = 24, 1e-6, 1e-5  # h pads to 32: masked columns
-VARIANTS = {  # BACKWARD_PIPELINE bits: 1 old grads early, 2 the next tile's rows, 4 sources reloaded one ahead
-    "pipe1": {"BACKWARD_PIPELINE": 1},
-    "pipe5": {"BACKWARD_PIPELINE": 5},
-    "pipe3": {"BACKWARD_PIPELINE": 3},
-    "pipe7-hold": {"BACKWARD_PIPELINE": 7, "BACKWARD_RELOAD": False},
-    "stages2": {"BACKWARD_TILE_STAGES": 2},
-    # the row sums of 1 / 2 / 4 sources in one reduction for every call (the default picks by the call's width)
-    "batch1": {"BACKWARD_SOURCES_PER_REDUCTION": 1},
-    "batch2": {"BACKWARD_SOURCES_PER_REDUCTION": 2},
-    "batch4": {"BACKWARD_SOURCES_PER_REDUCTION": 4},
-}
-PACKED = {  # the int32-pair loads only change 2-byte rows (test_packed_rows_equal_default_in_16_bit)
-    "pack": {"BACKWARD_PACK_ROWS": True},
-    "pipe1-pack": {"BACKWARD_PIPELINE": 1, "BACKWARD_PACK_ROWS": True},
-    "pipe7-pack": {"BACKWARD_PIPELINE": 7, "BACKWARD_PACK_ROWS": True},
-}
+# sources per row reduction for every call width ("shipped": the table by width)
+VARIANTS = {"shipped": None, "batch1": 1, "batch2": 2, "batch4": 4}
 
 
-def _call(gen, n, tokens, norm, dtype=torch.float32):
-    """Inputs of one call: sources, query, gamma, gamma_o (or None), dy."""
+def _launch(fused, variant):
+    """The shipped backward launch table with one token per tile (BLOCK_H = 32) and ``variant``'s sources per
+    reduction."""
+    launch = dataclasses.replace(fused.BACKWARD_LAUNCH, tile_elements=32)
+    if VARIANTS[variant] is not None:
+        launch = dataclasses.replace(launch, sources_per_reduction=fused.ByWidth(((1, VARIANTS[variant]),)))
+    return launch
+
+
+def _unaligned(t):
+    """``t``'s values in a tensor 2-byte but not 4-byte aligned: its rows are not loaded as int32 pairs."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = buffer[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def _call(gen, n, tokens, norm, dtype=torch.float32, unaligned=False):
+    """Inputs of one call: sources, query, gamma, gamma_o (or None), dy (``unaligned``: sources not 4-byte
+    aligned)."""
     sources = [(torch.randn(tokens, HIDDEN, generator=gen) * (0.3 + i)).to(dtype) for i in range(n)]
+    if unaligned:
+        sources = [_unaligned(v) for v in sources]
     query, gamma = torch.randn(HIDDEN, generator=gen) * 0.5, 1 + 0.3 * torch.randn(HIDDEN, generator=gen)
     gamma_o = 1 + 0.3 * torch.randn(HIDDEN, generator=gen) if norm else None
     return sources, query, gamma, gamma_o, torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
@@ -63,32 +73,25 @@ def _close(a, b, what):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(1.0, b.abs().max().item()), msg=what)
 
 
-def _backward(fused, changes, *args, olds, accumulate, **kwargs):
-    """Source grads (accumulated into copies of ``olds``) and sums of one backward launch with ``changes``."""
+def _backward(fused, variant, *args, olds, accumulate, **kwargs):
+    """Source grads (accumulated into copies of ``olds``) and sums of one backward launch of ``variant``."""
     from kernels.attn_res.backward import fused_depth_attention_backward_sums as backward_sums
 
-    saved = {name: getattr(fused, name) for name in changes}
-    try:
-        for name, value in changes.items():
-            setattr(fused, name, value)
-        grads = [o.clone() for o in olds]
-        sums = backward_sums(*args, grads, accumulate, **kwargs)
-    finally:
-        for name, value in saved.items():
-            setattr(fused, name, value)
+    grads = [o.clone() for o in olds]
+    sums = backward_sums(*args, grads, accumulate, launch=_launch(fused, variant), **kwargs)
     return grads, sums
 
 
 _DEFAULTS = {}  # the default kernel's results per case, computed once for all variants
 
 
-def _unpaired(fused, changes, n, tokens, norm, dtype=torch.float32):
+def _unpaired(fused, variant, n, tokens, norm, dtype=torch.float32, unaligned=False):
     gen = torch.Generator().manual_seed(100 * n + 10 * tokens + norm)
-    sources, query, gamma, gamma_o, dy = _call(gen, n, tokens, norm, dtype)
+    sources, query, gamma, gamma_o, dy = _call(gen, n, tokens, norm, dtype, unaligned)
     out, lse, rstd = _forward(fused, sources, query, gamma, gamma_o)
     olds = [torch.randn(tokens, HIDDEN, generator=gen).to(dtype) for _ in range(n)]
     accumulate = [i % 2 == 1 for i in range(n)]
-    result = _backward(fused, changes, sources, query, gamma, EPS, out, lse, dy, olds=olds, accumulate=accumulate,
+    result = _backward(fused, variant, sources, query, gamma, EPS, out, lse, dy, olds=olds, accumulate=accumulate,
                        out_norm_weight=gamma_o, out_norm_eps=OUT_NORM_EPS, out_rstd=rstd, need_out_norm_weight=norm,
                        parameter_grads=True)
     return result, (sources, query, gamma, gamma_o, dy), olds, accumulate
@@ -101,26 +104,22 @@ def test_variant_equals_default_and_reference(variant, norm):
     import kernels.attn_res.fused as fused
 
     # one token per tile (BLOCK_H = 32); the interpreter runs two programs: 2 and 3 tiles each, and one tile
-    saved, fused.BACKWARD_TILE_ELEMENTS = fused.BACKWARD_TILE_ELEMENTS, 32
-    try:
-        for n, tokens in ((1, 3), (4, 1), (9, 5)):
-            (grads, sums), inputs, olds, accumulate = _unpaired(fused, VARIANTS[variant], n, tokens, norm)
-            if (n, norm) not in _DEFAULTS:
-                _DEFAULTS[n, norm] = _unpaired(fused, {}, n, tokens, norm)[0]
-            default_grads, default_sums = _DEFAULTS[n, norm]
-            ref_grads, ref_query, ref_gamma, *ref_gamma_o = _reference(*inputs)
-            for i in range(n):
-                _close(grads[i], default_grads[i], f"n={n} grad {i} vs default")
-                _close(grads[i], ref_grads[i] + (olds[i] if accumulate[i] else 0), f"n={n} grad {i} vs reference")
-            refs = [("query", ref_query), ("norm_weight", ref_gamma)] + [("out_norm_weight", g) for g in ref_gamma_o]
-            for name, ref in refs:
-                _close(getattr(sums, f"grad_{name}"), getattr(default_sums, f"grad_{name}"), f"n={n} {name} vs default")
-                _close(getattr(sums, f"grad_{name}"), ref, f"n={n} {name} vs reference")
-    finally:
-        fused.BACKWARD_TILE_ELEMENTS = saved
+    for n, tokens in ((1, 3), (4, 1), (9, 5)):
+        (grads, sums), inputs, olds, accumulate = _unpaired(fused, variant, n, tokens, norm)
+        if (n, norm) not in _DEFAULTS:
+            _DEFAULTS[n, norm] = _unpaired(fused, "shipped", n, tokens, norm)[0]
+        default_grads, default_sums = _DEFAULTS[n, norm]
+        ref_grads, ref_query, ref_gamma, *ref_gamma_o = _reference(*inputs)
+        for i in range(n):
+            _close(grads[i], default_grads[i], f"n={n} grad {i} vs default")
+            _close(grads[i], ref_grads[i] + (olds[i] if accumulate[i] else 0), f"n={n} grad {i} vs reference")
+        refs = [("query", ref_query), ("norm_weight", ref_gamma)] + [("out_norm_weight", g) for g in ref_gamma_o]
+        for name, ref in refs:
+            _close(getattr(sums, f"grad_{name}"), getattr(default_sums, f"grad_{name}"), f"n={n} {name} vs default")
+            _close(getattr(sums, f"grad_{name}"), ref, f"n={n} {name} vs reference")
 
 
-def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32, extra=0):
+def _paired(fused, variant, shared, tokens, norm, dtype=torch.float32, extra=0, unaligned=False):
     """A pair as pair.py runs it: the second call's own source (a subset pass over its lse), then the first
     call with the second's grads over the shared sources (accumulated into; the own source's grad written).
     ``extra``: the first call has that many sources of its own after the shared ones (the model's pairs have
@@ -129,8 +128,10 @@ def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32, extra=0):
     from kernels.attn_res import backward
 
     gen = torch.Generator().manual_seed(100 * shared + 10 * tokens + norm + 1000 * extra)
-    sources, query, gamma, gamma_o, dy = _call(gen, shared + extra, tokens, norm, dtype)
+    sources, query, gamma, gamma_o, dy = _call(gen, shared + extra, tokens, norm, dtype, unaligned)
     own = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+    if unaligned:
+        own = _unaligned(own)
     sources2, query2, gamma2, gamma_o2, dy2 = sources[:shared] + [own], *_call(gen, 0, tokens, norm, dtype)[1:]
     out, lse, rstd = _forward(fused, sources, query, gamma, gamma_o)
     out2, lse2, rstd2 = _forward(fused, sources2, query2, gamma2, gamma_o2)
@@ -138,11 +139,11 @@ def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32, extra=0):
     olds = [torch.randn(tokens, HIDDEN, generator=gen).to(dtype) for _ in range(shared + extra)]
     norm_kwargs = dict(out_norm_eps=OUT_NORM_EPS, need_out_norm_weight=norm)
     handoff = torch.empty_like(dy2), torch.empty_like(lse2)
-    own_grad, own_sums = _backward(fused, changes, [own], query2, gamma2, EPS, out2, lse2, dy2, olds=[own],
+    own_grad, own_sums = _backward(fused, variant, [own], query2, gamma2, EPS, out2, lse2, dy2, olds=[own],
                                    accumulate=[False], out_norm_weight=gamma_o2, out_rstd=rstd2, subset=True,
                                    handoff=handoff, **norm_kwargs)
     pair = backward.PairedCall(shared, query2, gamma2, lse2, *handoff)
-    grads, sums = _backward(fused, changes, sources, query, gamma, EPS, out, lse, dy, olds=olds,
+    grads, sums = _backward(fused, variant, sources, query, gamma, EPS, out, lse, dy, olds=olds,
                             accumulate=[True] * (shared + extra), out_norm_weight=gamma_o, out_rstd=rstd, paired=pair,
                             **norm_kwargs)
     result = (grads + own_grad, sums.g, sums.g_out_norm, sums.g2 + own_sums.g, own_sums.g_out_norm)
@@ -150,61 +151,52 @@ def _paired(fused, changes, shared, tokens, norm, dtype=torch.float32, extra=0):
 
 
 @interpreter_case
-@pytest.mark.parametrize("variant", ["pipe1", "pipe5", "pipe3", "batch1", "batch2", "batch4"])
+@pytest.mark.parametrize("variant", ["batch1", "batch2", "batch4"])
 def test_paired_variant_equals_default_and_reference(variant, norm=True):
     # pair.py pairs calls with the fused norm only (the second call's c then comes from its fp32 output)
     import kernels.attn_res.fused as fused
 
-    saved, fused.BACKWARD_TILE_ELEMENTS = fused.BACKWARD_TILE_ELEMENTS, 32
-    try:
-        # (shared, the first call's own sources, tokens): batches of 2 / 4 sources padded, exact, and across
-        # the shared sources' end
-        for shared, extra, tokens in ((1, 0, 6), (4, 0, 7), (3, 2, 5)):
-            got, inputs, inputs2, olds = _paired(fused, VARIANTS[variant], shared, tokens, norm, extra=extra)
-            key = ("pair", shared, extra, norm)
-            if key not in _DEFAULTS:
-                _DEFAULTS[key] = _paired(fused, {}, shared, tokens, norm, extra=extra)[0]
-            for k, (a, b) in enumerate(zip(got, _DEFAULTS[key])):
-                for j, (x, y) in enumerate(zip(a, b) if isinstance(a, list) else [(a, b)]):
-                    assert (x is None) == (y is None)
-                    if y is not None:
-                        _close(x, y, f"shared={shared} result {k}.{j} vs default")
-            ref, ref2 = _reference(*inputs), _reference(*inputs2)
-            for i in range(shared + extra):
-                want = olds[i] + ref[0][i] + (ref2[0][i] if i < shared else 0)
-                _close(got[0][i], want, f"shared={shared} extra={extra} grad {i} vs reference")
-            _close(got[0][shared + extra], ref2[0][shared], f"shared={shared} own grad vs reference")
-            _close(got[1] * inputs[2], ref[1], "query vs reference")  # dw = g gamma
-            _close(got[3] * inputs2[2], ref2[1], "second query vs reference")
-            if norm:
-                _close(got[2], ref[3], "out norm weight vs reference")
-                _close(got[4], ref2[3], "second out norm weight vs reference")
-    finally:
-        fused.BACKWARD_TILE_ELEMENTS = saved
+    # (shared, the first call's own sources, tokens): batches of 2 / 4 sources padded, exact, and across
+    # the shared sources' end
+    for shared, extra, tokens in ((1, 0, 6), (4, 0, 7), (3, 2, 5)):
+        got, inputs, inputs2, olds = _paired(fused, variant, shared, tokens, norm, extra=extra)
+        key = ("pair", shared, extra, norm)
+        if key not in _DEFAULTS:
+            _DEFAULTS[key] = _paired(fused, "shipped", shared, tokens, norm, extra=extra)[0]
+        for k, (a, b) in enumerate(zip(got, _DEFAULTS[key])):
+            for j, (x, y) in enumerate(zip(a, b) if isinstance(a, list) else [(a, b)]):
+                assert (x is None) == (y is None)
+                if y is not None:
+                    _close(x, y, f"shared={shared} result {k}.{j} vs default")
+        ref, ref2 = _reference(*inputs), _reference(*inputs2)
+        for i in range(shared + extra):
+            want = olds[i] + ref[0][i] + (ref2[0][i] if i < shared else 0)
+            _close(got[0][i], want, f"shared={shared} extra={extra} grad {i} vs reference")
+        _close(got[0][shared + extra], ref2[0][shared], f"shared={shared} own grad vs reference")
+        _close(got[1] * inputs[2], ref[1], "query vs reference")  # dw = g gamma
+        _close(got[3] * inputs2[2], ref2[1], "second query vs reference")
+        if norm:
+            _close(got[2], ref[3], "out norm weight vs reference")
+            _close(got[4], ref2[3], "second out norm weight vs reference")
 
 
 @interpreter_case
-@pytest.mark.parametrize("variant, dtype", [(name, torch.bfloat16) for name in PACKED]
-                         + [("pipe7-pack", torch.float16)],
-                         ids=[f"bf16-{name}" for name in PACKED] + ["fp16-pipe7-pack"])
-def test_packed_rows_equal_default_in_16_bit(variant, dtype):
-    # Rows loaded as int32 pairs and unpacked (bf16 by shifts, fp16 by bitcasts) give the default kernel's
-    # values exactly, so its grads bit for bit; with the fused norm, paired (the second output in fp32) or not.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_packed_rows_equal_unpacked_in_16_bit(dtype):
+    # Rows loaded as int32 pairs and unpacked (bf16 by shifts, fp16 by bitcasts) give the unpacked loads' values
+    # exactly, so the same grads bit for bit; with the fused norm, paired (the second output in fp32) or not.
     import kernels.attn_res.fused as fused
 
-    saved, fused.BACKWARD_TILE_ELEMENTS = fused.BACKWARD_TILE_ELEMENTS, 32
-    try:
-        for n, tokens in ((2, 5), (9, 3)):
-            (got, got_sums), *_ = _unpaired(fused, PACKED[variant], n, tokens, True, dtype)
-            (want, want_sums), *_ = _unpaired(fused, {}, n, tokens, True, dtype)
-            for a, b in zip(got + [got_sums.grad_query, got_sums.grad_out_norm_weight],
-                            want + [want_sums.grad_query, want_sums.grad_out_norm_weight]):
-                assert a.dtype == b.dtype and torch.equal(a, b), f"n={n}"
-        got, want = _paired(fused, PACKED[variant], 3, 5, True, dtype)[0], _paired(fused, {}, 3, 5, True, dtype)[0]
-        for a, b in zip(got[0] + list(got[1:]), want[0] + list(want[1:])):
-            assert torch.equal(a, b)
-    finally:
-        fused.BACKWARD_TILE_ELEMENTS = saved
+    for n, tokens in ((2, 5), (9, 3)):
+        (got, got_sums), *_ = _unpaired(fused, "shipped", n, tokens, True, dtype)
+        (want, want_sums), *_ = _unpaired(fused, "shipped", n, tokens, True, dtype, unaligned=True)
+        for a, b in zip(got + [got_sums.grad_query, got_sums.grad_out_norm_weight],
+                        want + [want_sums.grad_query, want_sums.grad_out_norm_weight]):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"n={n}"
+    got = _paired(fused, "shipped", 3, 5, True, dtype)[0]
+    want = _paired(fused, "shipped", 3, 5, True, dtype, unaligned=True)[0]
+    for a, b in zip(got[0] + list(got[1:]), want[0] + list(want[1:])):
+        assert torch.equal(a, b)
 
 
 @interpreter_case

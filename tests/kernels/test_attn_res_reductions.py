@@ -4,11 +4,13 @@ rows and their squares, reduces them together (``row_sums2``: ``tl.reduce`` over
 one ``tl.sum`` each under the interpreter) and stores each source's two sums where that source's plain sums belong:
 a mapping error (a swapped split, a wrong join order) puts another source's sum there. On the GPU the stacked sums
 are also compared with one source per reduction bit for bit: the kernels' backward recomputes the forward's logits
-with a batch size that may differ (``fused.sources_per_reduction`` by each call's width), and the softmax weights
-it rebuilds are exact only if the order of the additions does not depend on the batch.
+with a batch size that may differ (``sources_per_reduction`` of the launch tables by each call's width), and the
+softmax weights it rebuilds are exact only if the order of the additions does not depend on the batch.
 
 The interpreter cases run in a ``TRITON_INTERPRET=1`` subprocess started by ``test_cases_under_interpreter``.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -78,14 +80,18 @@ def test_stacked_row_sums_equal_one_source_per_reduction_bit_for_bit_on_the_gpu(
 
 
 def test_per_width_settings_pick_the_entry_of_the_call_width():
-    # fused.for_width: the launchers' per-call settings (sources per reduction, the forward's register cap) are a
-    # value for every call or {from n sources: value}.
+    # fused.ByWidth: the launch tables' per-call choices (sources per reduction, a register cap) by the call's
+    # source count: the value of the last step at or below it (the first step's below them all).
     import kernels.attn_res.fused as fused
 
-    table = {1: 1, 3: 2, 5: 4}
-    assert [fused.sources_per_reduction(table, n) for n in range(1, 10)] == [1, 1, 2, 2, 4, 4, 4, 4, 4]
-    assert fused.sources_per_reduction(2, 9) == 2
-    assert fused.for_width({3: 128}, 1) == 128  # below the smallest key: that key's value
-    assert [fused.for_width({1: None, 7: 128}, n) for n in (6, 7, 9)] == [None, 128, 128]
+    table = fused.ByWidth(((1, 1), (3, 2), (5, 4)))
+    assert [table(n) for n in range(1, 10)] == [1, 1, 2, 2, 4, 4, 4, 4, 4]
+    assert fused.ByWidth(((3, 128),))(1) == 128  # below the smallest step: that step's value
+    assert [fused.ByWidth(((1, None), (7, 128)))(n) for n in (6, 7, 9)] == [None, 128, 128]
+    with pytest.raises(ValueError, match="increasing"):
+        fused.ByWidth(((3, 1), (1, 2)))
     with pytest.raises(ValueError, match="1, 2 or 4"):
-        fused.sources_per_reduction({1: 3}, 5)
+        fused.BackwardLaunch(2048, 16, fused.ByWidth(((1, 3),)), None, 32, 16)
+    # the tables are frozen: a launch choice is changed in the source, never at run time
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fused.FORWARD_LAUNCH.tile_elements = 4096

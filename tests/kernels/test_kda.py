@@ -117,9 +117,13 @@ def test_state_walk_v_tiles_agree(block_v, monkeypatch):
 
     x = make_inputs(1, 200, 2, 32, 48, N=3, seed=8)
     cu = torch.tensor([0, 130, 136, 200])
-    monkeypatch.setattr(chunk, "STATE_CONFIGS", (dict(BV=64, num_warps=4),))
+    # state_config picks the tile from the SM count: 6 sequence-heads walk V = 48 in 18 / 12 / 6 programs of
+    # width 16 / 32 / 64, so a device of 18 / 12 SMs takes the narrow tiles, the interpreter's 1 the widest
+    sms = {16: 18, 32: 12}[block_v]
+    assert chunk.state_config(3, 2, 48, "cpu")["BV"] == 64
     wide = run_pair(x, "lower_bound", cu_seqlens=cu)[0]
-    monkeypatch.setattr(chunk, "STATE_CONFIGS", (dict(BV=block_v, num_warps=4),))
+    monkeypatch.setattr(chunk, "_sm_count", lambda device: sms)
+    assert chunk.state_config(3, 2, 48, "cpu")["BV"] == block_v
     narrow, reference = run_pair(x, "lower_bound", cu_seqlens=cu)
     assert rel_err(narrow[0], wide[0]) < 1e-5 and rel_err(narrow[1], wide[1]) < 1e-5
     assert set(narrow[2]) == set(wide[2]) and all(rel_err(narrow[2][n], wide[2][n]) < 1e-5 for n in wide[2])
@@ -222,7 +226,10 @@ def test_bf16_walk_tiles_on_gpu_match_the_fp32_reference(block_v, monkeypatch):
     (the e2e layer at 16k walks in 16-wide tiles, at 4k in 32-wide ones, bench_kda's larger shapes in 64)."""
     import kernels.kda.chunk as chunk
 
-    monkeypatch.setattr(chunk, "STATE_CONFIGS", (dict(BV=block_v, num_warps=4),))
+    # 12 sequence-heads walk V = 128 in 96 / 48 / 24 programs of width 16 / 32 / 64: the SM count that makes
+    # state_config take each tile
+    monkeypatch.setattr(chunk, "_sm_count", lambda device: {16: 96, 32: 48, 64: 24}[block_v])
+    assert chunk.state_config(3, 4, 128, "cuda")["BV"] == block_v
     x = make_inputs(1, 3000, 4, 128, 128, N=3, device="cuda", seed=4)
     cu = torch.tensor([0, 2100, 2150, 3000], device="cuda")
     assert_match(run_pair(x, "lower_bound", dtype=torch.bfloat16, cu_seqlens=cu), 1e-2, ("q", "k", "v", "beta", "h0"))

@@ -97,9 +97,9 @@ def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(
     with pytest.raises(SystemExit):
         parse_args(["--variants", "ours_base+eager"])  # the base rows have no capacity routing
     assert "apply to the ours_full rows" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_args(["--variants", "ours_full@no-such-layout"])
-    assert "unknown KDA layout 'no-such-layout'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # kernel layouts are no row option: another commit is the A/B
+        parse_args(["--variants", "ours_full@state-bv32"])
+    assert "unknown row 'ours_full@state-bv32'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--variants", "ours_ful"])
     assert "unknown row 'ours_ful'" in capsys.readouterr().err
@@ -123,29 +123,18 @@ def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(
     assert layout("ours_full_16k") == (None, False)
 
 
-def test_row_layouts_apply_their_kernels_inside_and_restore_them():
-    """``ours_full_16k+torch-rounds@state-bv32``: the sweep layout's chunk.py constants and the PyTorch routing
-    rounds hold while that row runs only."""
-    import kernels.kda.chunk as chunk
-    from megatron_ext.moe import quantile_capacity
+def test_row_names_split_into_base_and_options():
     from tools.bench_e2e import parse_args
-    from tools.e2e_rows import row_layout, split_variant
+    from tools.e2e_rows import split_variant
 
-    name = "ours_full_16k+eager+torch-rounds@state-bv32"
+    name = "ours_full_16k+eager+no-attnres"
     assert parse_args(["--variants", name]).variants == [name]
-    assert split_variant(name) == ("ours_full_16k", {"eager", "torch-rounds"}, "state-bv32")
-    before = chunk.STATE_CONFIGS
-    assert quantile_capacity.ROUTING_KERNELS
-    with row_layout(name):
-        assert [config["BV"] for config in chunk.STATE_CONFIGS] == [32]
-        assert not quantile_capacity.ROUTING_KERNELS
-    assert chunk.STATE_CONFIGS == before and quantile_capacity.ROUTING_KERNELS
-    with row_layout("ours_full_16k"):  # no options, no layout: nothing changes
-        assert chunk.STATE_CONFIGS == before and quantile_capacity.ROUTING_KERNELS
+    assert split_variant(name) == ("ours_full_16k", {"eager", "no-attnres"})
 
 
 @pytest.mark.parametrize("name,message", [("ours_full+fast", "unknown option '\\+fast'"),
-                                          ("ours_base+torch-rounds", "apply to the ours_full rows")])
+                                          ("ours_base+eager", "apply to the ours_full rows"),
+                                          ("ours_full_16k@state-bv32", "unknown row")])
 def test_unknown_or_misplaced_row_options_are_refused(name, message, capsys):
     from tools.bench_e2e import parse_args
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call that checks and times everything (see docs/benchmarks.md).
 # Usage on the GPU machine, from the repo root, with the cp312 wheels in .whl/:
-#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-host,attnres-config,moe,routing,kda,kda-sweep,
+#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-config,moe,routing,kda,
 #                                          e2e,e2e-ab,e2e2,profile (and moe2, rmsnorm)
 # Each step has its own time limit, logs to $OUT/session.log and writes its JSON under $OUT.
 # Independent steps can share one call on a two-GPU machine, one track per GPU:
@@ -37,10 +37,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 step tests ${TESTS_LIMIT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider ${TESTS_PATHS:-tests/kernels tests/moe tests/kda tests/attn_res tests/tools} ${TESTS_EXTRA:-tests/parallel/test_fused_adamw_step.py tests/test_grad_norm.py}
 step train ${TRAIN_LIMIT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/test_gpu_training.py ${TRAIN_FLAGS:-}
 step attnres ${ATTNRES_LIMIT:-150} python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
-# kernel layouts of tools/sweep_attnres_kernels.py as more models of the same interleaved rounds
-step attnres-ab ${ATTNRES_LIMIT:-240} python3 tools/bench_attnres.py --ab-kernel ${ATTNRES_LAYOUTS:-unpacked} --out "$OUT/attnres-ab-h200.json"
-# host time of a depth-attention call split by function (cProfile; Triton's launch vs the torch ops)
-step attnres-host 120 python3 tools/bench_attnres_overhead.py --cuda --profile ${ATTNRES_HOST_SOURCES:-9} --reps 50
+# AttnRes with and without the paired backward (attn_res_pair_backward) as more models of the same interleaved rounds
+step attnres-ab ${ATTNRES_LIMIT:-240} python3 tools/bench_attnres.py --ab-pair --out "$OUT/attnres-ab-h200.json"
 step attnres-config ${ATTNRES_CONFIG_LIMIT:-420} python3 tools/bench_attnres_config.py --out "$OUT/attnres-config-h200.json"
 step moe ${MOE_LIMIT:-60} python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
 step moe2 ${MOE_LIMIT:-60} torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
@@ -50,17 +48,13 @@ step rmsnorm 60 python3 tools/bench_rms_norm.py --out "$OUT/rms-norm-h200.json"
 # TRITON_CACHE_DIR to a carried folder (e.g. .ab/tcache) and pack its *.autotune.json into $OUT to reuse them
 # in a later call (they hold configs, not timings; see docs/benchmarks.md, KDA kernels).
 step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-} --out "$OUT/kda-h200.json"
-# kernel-layout sweep of chunk.py constants at one shape (default: the e2e 16k layer and the walks' V tiles)
-step kda-sweep ${KDA_SWEEP_LIMIT:-240} python3 tools/sweep_kda_kernels.py --shape ${KDA_SWEEP_SHAPE:-1,16384,16,128} \
-  --only ${KDA_SWEEP_ONLY:-default,state-bv16,state-bv32,state-bv64} --out "$OUT/kda-sweep-h200.json"
 # expandable segments: the five variants of one process reuse memory of different shapes
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 step e2e ${E2E_LIMIT:-400} python3 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200.json"
-# ours_full_16k as bench_e2e runs it and as A/B rows (@: tools/sweep_kda_kernels.py layouts; +eager: HybridConfig's
-# eager capacity routing; +torch-rounds: routing rounds as PyTorch ops), in one process beside ours_base_16k (the
-# criterion's other side)
+# ours_full_16k as bench_e2e runs it and as A/B rows (+eager: HybridConfig's eager capacity routing), in one process
+# beside ours_base_16k (the criterion's other side)
 step e2e-ab ${E2E_LIMIT:-300} python3 tools/bench_e2e.py --out "$OUT/e2e-ab-h200.json" \
-  --variants ${E2E_AB_VARIANTS:-ours_base_16k,ours_full_16k,ours_full_16k+torch-rounds,ours_full_16k,ours_full_16k+torch-rounds,ours_base_16k}
+  --variants ${E2E_AB_VARIANTS:-ours_base_16k,ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager,ours_base_16k}
 step e2e2 ${E2E_LIMIT:-300} torchrun --standalone --nproc-per-node 2 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200x2.json"
 step profile ${PROFILE_LIMIT:-150} python3 tools/bench_e2e.py --profile ${PROFILE_VARIANT:-ours_full} --profile-out "$OUT/profile-${PROFILE_VARIANT:-ours_full}.md"
 tail -n 60 "$LOG" | grep -E "^===|passed|failed|error|Error" | tail -40
