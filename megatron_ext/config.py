@@ -31,7 +31,10 @@ ATTENTION_KINDS = {
     "M": "multi-head latent attention, NoPE (megatron_ext.layers.mla), Kimi Linear's full attention",
 }
 KDA_GATES = ("lower_bound", "softplus")
-KDA_GATE_LOWER_BOUND_RANGE = (-5.0, 0.0)  # [lo, hi): the kernel's dense-tile path needs g >= -5
+# (lo, hi), both open: any finite negative bound. Bounds >= -5 take the kernel's dense diagonal-tile path
+# (kernels.kda.dense_tiles_ok); below -5 its 16-token tiles would overflow fp32 there, so the kernel takes the
+# per-position diagonal path instead (exact, slower: the softplus gate's path), decided once from the bound.
+KDA_GATE_LOWER_BOUND_RANGE = (float("-inf"), 0.0)
 MOE_BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
 
 
@@ -90,7 +93,9 @@ class HybridConfig(TransformerConfig):
     kda_num_heads: int | None = None
     kda_head_dim: int | None = None
     # Decay gate: "lower_bound" g = lb * sigmoid(exp(A_log) * (f + dt_bias)), or "softplus"
-    # g = -exp(A_log) * softplus(f + dt_bias).
+    # g = -exp(A_log) * softplus(f + dt_bias). kda_gate_lower_bound: any finite value < 0; in [-5, 0) the
+    # kernel takes its dense diagonal-tile path, below -5 (where those tiles would overflow fp32) the
+    # per-position one, as for softplus (slower; docs/kda.md, docs/gate_lower_bound.md).
     kda_gate: str = "lower_bound"
     kda_gate_lower_bound: float = -5.0
     kda_conv_size: int = 4
@@ -193,10 +198,11 @@ class HybridConfig(TransformerConfig):
         if self.kda_gate not in KDA_GATES:
             raise ConfigError(f"kda_gate={self.kda_gate!r}; allowed: {', '.join(KDA_GATES)}")
         lo, hi = KDA_GATE_LOWER_BOUND_RANGE
-        if not lo <= self.kda_gate_lower_bound < hi:
+        if not lo < self.kda_gate_lower_bound < hi:
             raise ConfigError(
-                f"kda_gate_lower_bound={self.kda_gate_lower_bound} must be in [{lo}, {hi}) "
-                "(below -5 the kernel's 16-token tiles overflow fp32)"
+                f"kda_gate_lower_bound={self.kda_gate_lower_bound} must be a finite value < {hi} (-5, the "
+                "default, is the lowest that keeps the kernel's dense diagonal tiles; lower bounds run the "
+                "slower per-position path)"
             )
         if self.kda_head_dim is not None and not 16 <= self.kda_head_dim <= 256:
             raise ConfigError(f"kda_head_dim={self.kda_head_dim} must be in [16, 256] (kernel limit)")
