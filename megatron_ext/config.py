@@ -35,6 +35,7 @@ KDA_GATES = ("lower_bound", "softplus")
 # (kernels.kda.dense_tiles_ok); below -5 its 16-token tiles would overflow fp32 there, so the kernel takes the
 # per-position diagonal path instead (exact, slower: the softplus gate's path), decided once from the bound.
 KDA_GATE_LOWER_BOUND_RANGE = (float("-inf"), 0.0)
+POSITION_EMBEDDING_TYPES = ("none", "rope")
 MOE_BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
 
 
@@ -73,6 +74,12 @@ class HybridConfig(TransformerConfig):
     make_vocab_size_divisible_by: int = 128
     # Longest sequence the model is built for (NoPE: only bounds buffers and data).
     max_sequence_length: int = 4096
+    # Positions: "none" (NoPE, the hybrid model's: the KDA layers carry position) or "rope" (Megatron's
+    # RotaryEmbedding, as GPTModel applies it inside SelfAttention, on the full-attention "A" layers only; KDA
+    # layers ignore it). For reference models such as the full-attention RoPE baseline of
+    # tools/gmin_sweep.py; not with MLA ("M": NoPE by design).
+    position_embedding_type: str = "none"
+    rotary_base: int = 10000
     # MoE load balancing: none | aux_loss | sign_bias | qb_capacity | qb_bias | qb_both.
     moe_balancer: str = "none"
     # Histogram bins of the quantile balancers (capacity thresholds and the dual bias).
@@ -165,6 +172,7 @@ class HybridConfig(TransformerConfig):
                               f"Transformer's), got {self.moe_aux_loss_coeff!r}")
         self._validate_kda()
         self._validate_mla()
+        self._validate_positions()
         from megatron_ext.attn_res.validation import validate_attn_res
 
         validate_attn_res(self, ConfigError)
@@ -224,6 +232,23 @@ class HybridConfig(TransformerConfig):
         if not isinstance(self.kda_output_gate_bias, bool):
             raise ConfigError(f"kda_output_gate_bias={self.kda_output_gate_bias!r} must be true or false")
 
+    def _validate_positions(self):
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ConfigError(f"position_embedding_type={self.position_embedding_type!r}; allowed: "
+                              f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+        if self.position_embedding_type == "rope":
+            if "M" in self.attention_pattern:
+                raise ConfigError(f"position_embedding_type='rope' with MLA layers ('M' in attention_pattern="
+                                  f"{self.attention_pattern!r}) is not supported: our MLA is NoPE")
+            head_dim = self.kv_channels or (self.hidden_size // self.num_attention_heads)
+            if head_dim % 2:
+                raise ConfigError(f"position_embedding_type='rope' needs an even attention head dim "
+                                  f"(kv_channels), got {head_dim}")
+            if self.apply_rope_fusion:
+                raise ConfigError("apply_rope_fusion needs Transformer Engine; leave it false")
+        if not isinstance(self.rotary_base, int) or self.rotary_base < 2:
+            raise ConfigError(f"rotary_base={self.rotary_base!r} must be an int >= 2")
+
     # --- Derived -----------------------------------------------------------------------------
     def attention_kind(self, layer_index: int) -> str:
         """Attention kind of the 0-based global layer ``layer_index``."""
@@ -262,6 +287,8 @@ USER_FIELDS = (
     "vocab_size",
     "make_vocab_size_divisible_by",
     "max_sequence_length",
+    "position_embedding_type",
+    "rotary_base",
     "num_moe_experts",
     "moe_router_topk",
     "moe_ffn_hidden_size",
