@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -170,6 +171,8 @@ def train_setting(setting: dict, args, run_dir: str, deadline: float, log) -> di
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
+    # a checkpoint left by an earlier sweep in this directory would be evaluated as this run's
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
     start = time.monotonic()
     with open(os.path.join(run_dir, "train.log"), "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
@@ -341,13 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multiples", default="1,2,4,8,16", help="eval lengths as multiples of seq_length")
     p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens per length (eval_lengths --tokens)")
     p.add_argument("--eval-reserve", type=float, default=None,
-                   help="seconds of each setting's share kept for its evaluation (default 40 on CUDA, 30 on CPU; "
-                   "after the first evaluation its measured time + 10 s when larger)")
+                   help="seconds of each setting's share kept for its evaluation (default 25 on CUDA, 30 on CPU; "
+                   "after an evaluation its measured time + 5 s when larger)")
     p.add_argument("--nproc", type=int, default=1, help="torchrun processes per training job (default 1)")
     p.add_argument("--no-kernel-timing", action="store_true", help="skip the chunk_kda timing")
     p.add_argument("--json", default=None, help="summary JSON (default OUT_DIR/gmin-sweep.json)")
     p.add_argument("--plot", default=None, help="PNG: training curves and loss vs length (default next to --json)")
-    p.add_argument("--term-grace", type=float, default=60.0, help="seconds a SIGTERMed trainer gets to save")
+    p.add_argument("--term-grace", type=float, default=30.0, help="seconds a SIGTERMed trainer gets to save")
     p.add_argument("--progress-interval", type=float, default=20.0, help="seconds between progress lines")
     p.add_argument("--replot", default=None, metavar="JSON",
                    help="only redraw --plot from a finished sweep's JSON (e.g. where the GPU had no matplotlib)")
@@ -387,7 +390,7 @@ def run(args, log=print) -> dict:
     args.json = args.json or os.path.join(args.out_dir, "gmin-sweep.json")
     args.plot = args.plot or os.path.splitext(args.json)[0] + ".png"
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    eval_reserve = args.eval_reserve if args.eval_reserve is not None else (40.0 if torch.cuda.is_available() else 30.0)
+    eval_reserve = args.eval_reserve if args.eval_reserve is not None else (25.0 if torch.cuda.is_available() else 30.0)
     seq = int(config.get("seq_length", 128))
     heads = int(config.get("kda_num_heads") or config.get("num_attention_heads"))
     head_dim = int(config.get("kda_head_dim") or config.get("kv_channels")
@@ -436,7 +439,7 @@ def run(args, log=print) -> dict:
         if s["saved"]:
             eval_timeout = max(deadline - time.monotonic() - 5, 10) if math.isfinite(deadline) else 3600
             s.update(eval_setting(s, args, run_dir, eval_timeout, log))
-            eval_reserve = max(eval_reserve, s["eval_seconds"] + 10)
+            eval_reserve = max(eval_reserve, s["eval_seconds"] + 5)
         log(f"  {s['name']}: {s['status']}, {s['steps']} steps, train loss "
             f"{s['train_loss'] if s['train_loss'] is None else round(s['train_loss'], 4)}, held-out "
             f"{s.get('heldout_loss_train_length')}, non-finite {s['nonfinite']}")

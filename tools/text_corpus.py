@@ -7,7 +7,7 @@ No download: the GPU machine of tools/gpu/gmin_sweep.sh is offline and holds Pyt
 site-packages. Sources, in this order, until ``--max-mb`` MB of text:
 
 1. ``docs``: documentation files (``*.md``, ``*.rst``, ``*.txt``, ``*.html`` stripped of tags) and the package
-   descriptions in ``*.dist-info/METADATA`` under the Python installation (sys.prefix, sys.base_prefix and the
+   descriptions in ``*.dist-info/METADATA`` under the Python installation (the standard library and the
    site-packages directories);
 2. ``docstrings``: the module, class and function docstrings of the ``.py`` files in site-packages (English
    prose about code: torch alone has tens of MB), one document per module;
@@ -41,7 +41,9 @@ MAX_FILE_BYTES = 4 << 20
 
 
 def python_roots() -> list[str]:
-    roots = {sys.prefix, sys.base_prefix, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    """The site-packages directories and the standard library (not all of sys.prefix, which may be /usr)."""
+    paths = sysconfig.get_paths()
+    roots = {paths["purelib"], paths["platlib"], paths["stdlib"]}
     try:
         roots.update(site.getsitepackages())
     except AttributeError:
