@@ -68,3 +68,12 @@ def test_rope_in_the_hybrid_model_leaves_kda_layers_alone(one_rank_megatron):
 def test_unsupported_position_settings_name_the_key(overrides, match):
     with pytest.raises(ConfigError, match=match):
         _config(**overrides)
+
+
+def test_resuming_with_other_positions_is_refused():
+    from megatron_ext.training.checkpoint_compat import check_same_model, model_differences
+
+    assert model_differences({"attention_pattern": "A"}, {"attention_pattern": "A",
+                                                          "position_embedding_type": "rope"}) == []  # older saves
+    with pytest.raises(ConfigError, match="position_embedding_type: 'none' in the checkpoint, 'rope' now"):
+        check_same_model("ckpt", {"position_embedding_type": "none"}, {"position_embedding_type": "rope"})
