@@ -18,10 +18,11 @@ shape (CUDA only: ``chunk_kda`` bf16 with the in-kernel gate; on the CPU the fie
 every bf16 overflow / NaN met: logged non-finite losses or grad norms, steps the trainer's non-finite guard did
 not apply, non-finite held-out losses.
 
-Time: ``--time-budget`` seconds for the whole sweep. Before each setting the remaining time is shared equally
-among the settings still to run; a training job still running at the end of its share gets SIGTERM (the trainer
-saves and exits; docs/training.md), so the sweep always evaluates what it has and writes its JSON and plot
-(rewritten after every setting). ``--steps`` sets train_iters for every setting (the lead's knob). Flags after
+Time: ``--time-budget`` seconds for the whole sweep. A setting may run until the time left only just covers the
+settings after it at the typical duration so far (``--min-setting-seconds`` until two have finished); a training
+job still running then gets SIGTERM (the trainer saves and exits; docs/training.md), so the sweep always evaluates
+what it has and writes its JSON and plot (rewritten after every setting). Settings cut short say so in ``status``
+and ``steps``: compare only equal step counts. ``--steps`` sets train_iters for every setting (the lead's knob). Flags after
 ``--`` go to every launch/train.py (e.g. ``-- --micro-batch-size 8``).
 """
 
@@ -350,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-kernel-timing", action="store_true", help="skip the chunk_kda timing")
     p.add_argument("--json", default=None, help="summary JSON (default OUT_DIR/gmin-sweep.json)")
     p.add_argument("--plot", default=None, help="PNG: training curves and loss vs length (default next to --json)")
+    p.add_argument("--min-setting-seconds", type=float, default=None,
+                   help="time kept for each setting still to run until two have finished (default 60 on CUDA, 30 "
+                   "on CPU); later the median duration of the finished ones after the first")
     p.add_argument("--term-grace", type=float, default=30.0, help="seconds a SIGTERMed trainer gets to save")
     p.add_argument("--progress-interval", type=float, default=20.0, help="seconds between progress lines")
     p.add_argument("--replot", default=None, metavar="JSON",
@@ -390,6 +394,8 @@ def run(args, log=print) -> dict:
     args.json = args.json or os.path.join(args.out_dir, "gmin-sweep.json")
     args.plot = args.plot or os.path.splitext(args.json)[0] + ".png"
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    if args.min_setting_seconds is None:
+        args.min_setting_seconds = 60.0 if torch.cuda.is_available() else 30.0
     eval_reserve = args.eval_reserve if args.eval_reserve is not None else (25.0 if torch.cuda.is_available() else 30.0)
     seq = int(config.get("seq_length", 128))
     heads = int(config.get("kda_num_heads") or config.get("num_attention_heads"))
@@ -423,18 +429,26 @@ def run(args, log=print) -> dict:
     else:
         for s in settings:
             s["kernel_ms"] = dict(skipped="--no-kernel-timing")
+    durations = []  # wall seconds of the finished settings (train + eval)
     for i, s in enumerate(settings):
         left = len(settings) - i
-        share = (deadline - time.monotonic()) / left
+        now = time.monotonic()
+        # Each setting may run until the time left only just covers the settings after it, each at the typical
+        # duration so far: the median of the finished settings after the first (which also compiled the Triton
+        # kernels), --min-setting-seconds before there is one. A setting that finishes its steps early leaves
+        # the time to the rest, and the first one is not cut for its compiles.
+        later = durations[1:]
+        typical = statistics.median(later) if later else args.min_setting_seconds
+        budget_here = deadline - now - (left - 1) * typical
         run_dir = os.path.join(args.out_dir, s["name"])
         log(f"> [{i + 1}/{len(settings)}] {s['name']}: {s['kernel_path']}"
-            + (f"; {share:.0f}s share" if math.isfinite(share) else ""))
-        if share < eval_reserve + 20:
+            + (f"; up to {budget_here:.0f}s" if math.isfinite(budget_here) else ""))
+        if budget_here < eval_reserve + 20:
             s.update(status="not run: time budget spent")
             summary["settings"].append(s)
             write_outputs(summary, args, log)
             continue
-        train_deadline = time.monotonic() + share - eval_reserve
+        train_deadline = now + budget_here - eval_reserve
         s.update(train_setting(s, args, run_dir, train_deadline, log))
         if s["saved"]:
             eval_timeout = max(deadline - time.monotonic() - 5, 10) if math.isfinite(deadline) else 3600
@@ -443,6 +457,7 @@ def run(args, log=print) -> dict:
         log(f"  {s['name']}: {s['status']}, {s['steps']} steps, train loss "
             f"{s['train_loss'] if s['train_loss'] is None else round(s['train_loss'], 4)}, held-out "
             f"{s.get('heldout_loss_train_length')}, non-finite {s['nonfinite']}")
+        durations.append(time.monotonic() - now)
         summary["settings"].append(s)
         summary["elapsed_s"] = round(time.monotonic() - start, 1)
         write_outputs(summary, args, log)
