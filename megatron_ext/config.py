@@ -31,7 +31,11 @@ ATTENTION_KINDS = {
     "M": "multi-head latent attention, NoPE (megatron_ext.layers.mla), Kimi Linear's full attention",
 }
 KDA_GATES = ("lower_bound", "softplus")
-KDA_GATE_LOWER_BOUND_RANGE = (-5.0, 0.0)  # [lo, hi): the kernel's dense-tile path needs g >= -5
+# (lo, hi), both open: any finite negative bound. Bounds >= -5 take the kernel's dense diagonal-tile path
+# (kernels.kda.dense_tiles_ok); below -5 its 16-token tiles would overflow fp32 there, so the kernel takes the
+# per-position diagonal path instead (exact, slower: the softplus gate's path), decided once from the bound.
+KDA_GATE_LOWER_BOUND_RANGE = (float("-inf"), 0.0)
+POSITION_EMBEDDING_TYPES = ("none", "rope")
 MOE_BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
 
 
@@ -70,6 +74,12 @@ class HybridConfig(TransformerConfig):
     make_vocab_size_divisible_by: int = 128
     # Longest sequence the model is built for (NoPE: only bounds buffers and data).
     max_sequence_length: int = 4096
+    # Positions: "none" (NoPE, the hybrid model's: the KDA layers carry position) or "rope" (Megatron's
+    # RotaryEmbedding, as GPTModel applies it inside SelfAttention, on the full-attention "A" layers only; KDA
+    # layers ignore it). For reference models such as the full-attention RoPE baseline of
+    # tools/gmin_sweep.py; not with MLA ("M": NoPE by design).
+    position_embedding_type: str = "none"
+    rotary_base: int = 10000
     # MoE load balancing: none | aux_loss | sign_bias | qb_capacity | qb_bias | qb_both.
     moe_balancer: str = "none"
     # Histogram bins of the quantile balancers (capacity thresholds and the dual bias).
@@ -90,7 +100,9 @@ class HybridConfig(TransformerConfig):
     kda_num_heads: int | None = None
     kda_head_dim: int | None = None
     # Decay gate: "lower_bound" g = lb * sigmoid(exp(A_log) * (f + dt_bias)), or "softplus"
-    # g = -exp(A_log) * softplus(f + dt_bias).
+    # g = -exp(A_log) * softplus(f + dt_bias). kda_gate_lower_bound: any finite value < 0; in [-5, 0) the
+    # kernel takes its dense diagonal-tile path, below -5 (where those tiles would overflow fp32) the
+    # per-position one, as for softplus (slower; docs/kda.md, docs/gate_lower_bound.md).
     kda_gate: str = "lower_bound"
     kda_gate_lower_bound: float = -5.0
     kda_conv_size: int = 4
@@ -160,6 +172,7 @@ class HybridConfig(TransformerConfig):
                               f"Transformer's), got {self.moe_aux_loss_coeff!r}")
         self._validate_kda()
         self._validate_mla()
+        self._validate_positions()
         from megatron_ext.attn_res.validation import validate_attn_res
 
         validate_attn_res(self, ConfigError)
@@ -193,10 +206,11 @@ class HybridConfig(TransformerConfig):
         if self.kda_gate not in KDA_GATES:
             raise ConfigError(f"kda_gate={self.kda_gate!r}; allowed: {', '.join(KDA_GATES)}")
         lo, hi = KDA_GATE_LOWER_BOUND_RANGE
-        if not lo <= self.kda_gate_lower_bound < hi:
+        if not lo < self.kda_gate_lower_bound < hi:
             raise ConfigError(
-                f"kda_gate_lower_bound={self.kda_gate_lower_bound} must be in [{lo}, {hi}) "
-                "(below -5 the kernel's 16-token tiles overflow fp32)"
+                f"kda_gate_lower_bound={self.kda_gate_lower_bound} must be a finite value < {hi} (-5, the "
+                "default, is the lowest that keeps the kernel's dense diagonal tiles; lower bounds run the "
+                "slower per-position path)"
             )
         if self.kda_head_dim is not None and not 16 <= self.kda_head_dim <= 256:
             raise ConfigError(f"kda_head_dim={self.kda_head_dim} must be in [16, 256] (kernel limit)")
@@ -217,6 +231,23 @@ class HybridConfig(TransformerConfig):
             raise ConfigError(f"qk_pos_emb_head_dim={self.qk_pos_emb_head_dim!r} must be an int >= 0")
         if not isinstance(self.kda_output_gate_bias, bool):
             raise ConfigError(f"kda_output_gate_bias={self.kda_output_gate_bias!r} must be true or false")
+
+    def _validate_positions(self):
+        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+            raise ConfigError(f"position_embedding_type={self.position_embedding_type!r}; allowed: "
+                              f"{', '.join(POSITION_EMBEDDING_TYPES)}")
+        if self.position_embedding_type == "rope":
+            if "M" in self.attention_pattern:
+                raise ConfigError(f"position_embedding_type='rope' with MLA layers ('M' in attention_pattern="
+                                  f"{self.attention_pattern!r}) is not supported: our MLA is NoPE")
+            head_dim = self.kv_channels or (self.hidden_size // self.num_attention_heads)
+            if head_dim % 2:
+                raise ConfigError(f"position_embedding_type='rope' needs an even attention head dim "
+                                  f"(kv_channels), got {head_dim}")
+            if self.apply_rope_fusion:
+                raise ConfigError("apply_rope_fusion needs Transformer Engine; leave it false")
+        if not isinstance(self.rotary_base, int) or self.rotary_base < 2:
+            raise ConfigError(f"rotary_base={self.rotary_base!r} must be an int >= 2")
 
     # --- Derived -----------------------------------------------------------------------------
     def attention_kind(self, layer_index: int) -> str:
@@ -256,6 +287,8 @@ USER_FIELDS = (
     "vocab_size",
     "make_vocab_size_divisible_by",
     "max_sequence_length",
+    "position_embedding_type",
+    "rotary_base",
     "num_moe_experts",
     "moe_router_topk",
     "moe_ffn_hidden_size",

@@ -7,7 +7,7 @@ One function per level, each a plain Megatron ``ModuleSpec`` seam:
 * :func:`layer_spec` - one ``TransformerLayer`` from the two;
 * :func:`decoder_block_spec` - the ``TransformerBlockSubmodules`` of the layers this pipeline
   stage (and virtual stage) builds;
-* :func:`build_model` - the ``GPTModel`` on top (untied embeddings, NoPE; the LM loss through the fused
+* :func:`build_model` - the ``GPTModel`` on top (untied embeddings, NoPE or RoPE on the full-attention layers; the LM loss through the fused
   cross-entropy with ``fused_cross_entropy``, ``megatron_ext.layers.lm_loss``).
 
 Activations are sequence-first ``[s, b, h]`` throughout, as in Megatron-Core; under sequence
@@ -135,7 +135,8 @@ def build_model(
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=False,
-        position_embedding_type="none",
+        position_embedding_type=config.position_embedding_type,  # "none" (NoPE) unless a RoPE reference
+        rotary_base=config.rotary_base,
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )

@@ -10,7 +10,7 @@ from megatron_ext.training.arguments import TRAINING_SECTIONS, ParallelConfig, l
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 WORLD = {"tiny.yaml": 2, "h200.yaml": 1, "h200x2.yaml": 2, "cluster-64gpu.yaml": 64, "cluster-512gpu.yaml": 512,
-         "kimi-linear-tiny.yaml": 2, "kimi-linear-h200x8.yaml": 8}
+         "kimi-linear-tiny.yaml": 2, "kimi-linear-h200x8.yaml": 8, "gmin-sweep.yaml": 1, "gmin-sweep-tiny.yaml": 1}
 
 
 def _load(name: str, world: int):

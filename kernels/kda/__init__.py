@@ -6,9 +6,21 @@ from kernels.kda.chunk import ChunkKDAFunction
 from kernels.kda.gate import GATE_GIVEN, GATE_LOWER_BOUND, GATE_SOFTPLUS
 from kernels.kda.naive import kda_gate_lower_bound, kda_gate_softplus, naive_chunk_kda, naive_recurrent_kda
 
-__all__ = ["chunk_kda", "naive_chunk_kda", "naive_recurrent_kda", "kda_gate_softplus", "kda_gate_lower_bound"]
+__all__ = ["chunk_kda", "dense_tiles_ok", "DENSE_TILE_MIN_BOUND", "naive_chunk_kda", "naive_recurrent_kda",
+           "kda_gate_softplus", "kda_gate_lower_bound"]
 
-LOWER_BOUND_RANGE = (-5.0, 0.0)
+# Lower bounds a lower-bounded gate may take: any finite negative value.
+LOWER_BOUND_RANGE = (float("-inf"), 0.0)
+# The dense diagonal-tile path (SAFE_GATE) factors exp(G_t - G_s) around the tile's first row, so one factor
+# reaches e^{15 |g_min|} inside a 16-token tile: e^75 at -5, finite in fp32/bf16 (overflow past ~e^88.7, i.e.
+# |g_min| > 5.9). Bounds below DENSE_TILE_MIN_BOUND take the per-position diagonal path (the softplus gate's),
+# which is exact for any gate value and slower; the choice is made once per call from the bound.
+DENSE_TILE_MIN_BOUND = -5.0
+
+
+def dense_tiles_ok(lower_bound) -> bool:
+    """Whether a gate bounded below by ``lower_bound`` may take the dense diagonal-tile path (g >= -5)."""
+    return lower_bound is not None and lower_bound >= DENSE_TILE_MIN_BOUND
 
 
 def _check(cond, msg):
@@ -25,7 +37,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     lower_bound * sigmoid(exp(A_log) * (g + dt_bias)) when lower_bound is given, else as
     -exp(A_log) * softplus(g + dt_bias). beta [B, T, H] is already in (0, 1) (fla's convention).
     safe_gate (fla's name): with a precomputed g, True promises g >= -5 so every 16x16 tile takes the dense
-    tl.dot path; it defaults to True exactly when a lower-bounded gate is computed in-kernel.
+    tl.dot path; it defaults to True exactly when a lower-bounded gate with lower_bound >= -5 is computed
+    in-kernel. A lower_bound below -5 (allowed: any value < 0) takes the per-position diagonal path, like the
+    softplus gate, and refuses safe_gate=True (its tiles would overflow fp32).
     cu_seqlens: packed varlen, B must be 1; sequences never share state.
     """
     _check(q.dim() == 4 and q.shape == k.shape, f"q and k must be [B, T, H, K] of one shape, got {tuple(q.shape)} "
@@ -44,8 +58,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
            "(fp32/fp16 run on CPU under TRITON_INTERPRET=1, or through naive_chunk_kda)")
     if lower_bound is not None:
         lo, hi = LOWER_BOUND_RANGE
-        _check(lo <= lower_bound < hi, f"lower_bound must be in [{lo}, {hi}) (its exponent span per 16-token "
-               f"tile must stay finite in fp32), got {lower_bound}")
+        _check(lo < lower_bound < hi, f"lower_bound must be a finite value < {hi}, got {lower_bound}")
     if use_gate_in_kernel:
         _check(A_log is not None or lower_bound is not None, "A_log is required for the softplus gate "
                "(use_gate_in_kernel=True and lower_bound=None)")
@@ -53,8 +66,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                f"{None if A_log is None else tuple(A_log.shape)}")
         _check(dt_bias is None or dt_bias.numel() == H * K, f"dt_bias must have H*K = {H * K} elements")
         gate = GATE_LOWER_BOUND if lower_bound is not None else GATE_SOFTPLUS
-        safe = lower_bound is not None if safe_gate is None else bool(safe_gate)
+        safe = dense_tiles_ok(lower_bound) if safe_gate is None else bool(safe_gate)
         _check(not safe or lower_bound is not None, "safe_gate=True with use_gate_in_kernel=True needs lower_bound")
+        _check(not safe or dense_tiles_ok(lower_bound), f"safe_gate=True needs lower_bound >= "
+               f"{DENSE_TILE_MIN_BOUND} (the dense diagonal tiles overflow fp32 below it), got {lower_bound}; "
+               "leave safe_gate unset to take the per-position path")
     else:
         gate, safe = GATE_GIVEN, bool(safe_gate)
         A_log = dt_bias = None

@@ -23,6 +23,7 @@ STRUCTURAL_MODEL_KEYS = (
     "num_query_groups",
     "kv_channels",
     "attention_pattern",
+    "position_embedding_type",  # no parameters, but a NoPE model resumed with RoPE is another model
     "vocab_size",
     "make_vocab_size_divisible_by",
     "num_moe_experts",

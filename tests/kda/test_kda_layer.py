@@ -144,7 +144,10 @@ def test_decay_parameters_init_fp32_and_no_weight_decay():
 
 def test_lower_bound_out_of_range_names_the_key():
     with pytest.raises(ConfigError, match="kda_gate_lower_bound"):
-        kda_config(kda_gate_lower_bound=-6.0)
+        kda_config(kda_gate_lower_bound=0.0)
+    with pytest.raises(ConfigError, match="kda_gate_lower_bound"):
+        kda_config(kda_gate_lower_bound=float("-inf"))
+    assert kda_config(kda_gate_lower_bound=-12.0).kda_gate_lower_bound == -12.0  # the per-position kernel path
     with pytest.raises(ConfigError, match="kda_gate"):
         kda_config(kda_gate="exp")
 
