@@ -51,3 +51,10 @@ def test_merge_joins_the_calls_of_one_commit(tmp_path):
     paths[1].write_text(json.dumps(second))
     with pytest.raises(SystemExit, match="different commits"):
         acceptance.merge([str(p) for p in paths], str(tmp_path / "out2.json"))
+
+
+def test_steps_are_checked_and_groups_expand_before_anything_runs():
+    names = acceptance.step_names("resume,balancers,gpu-tests")
+    assert names == ["resume", *(f"balancer-{b}" for b in acceptance.BALANCERS), "gpu-tests"]
+    with pytest.raises(SystemExit, match="unknown step.*bogus"):
+        acceptance.step_names("resume,bogus")

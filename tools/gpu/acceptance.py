@@ -9,7 +9,7 @@ Steps (``--steps``, comma-separated; each has its own time limit and records ``n
   more than the same two runs differ before the kill (times RUN_TO_RUN_SLACK, as differences grow over steps);
 * ``sigterm`` - the same job, started by ``launch/torchrun.sh``, gets SIGTERM past KILL_AFTER, must save where it
   stands and exit 0, and the resume must continue with run A's losses under the rule above;
-* ``balancers`` - each balancer trains BALANCER_ITERS iterations of ``configs/h200.yaml``: tokens/s (median of
+* ``balancers`` (one step ``balancer-<name>`` each) - each balancer trains BALANCER_ITERS iterations of ``configs/h200.yaml``: tokens/s (median of
   the logged windows after the first), MaxVio, dropped and rerouted pairs;
 * ``tensorboard`` - run A's TensorBoard run holds the scalars, the per-rank histograms and the load heatmap;
 * ``gpu-tests`` / ``fla-test`` - ``pytest -m gpu`` over the suite without / with only fla's comparison test (fla
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -219,18 +220,14 @@ def window_figures(recs: dict[int, dict]) -> dict:
             "lm_loss_last": last["lm_loss"], "mfu_percent": last.get("mfu_percent")}
 
 
-def step_balancers(job: Job) -> dict:
-    rows, passed = {}, True
-    for balancer in BALANCERS:
-        coeff = ["--moe-aux-loss-coeff", "1e-2"] if balancer == "aux_loss" else []
-        run = train(job, f"bal-{balancer}", "--moe-balancer", balancer, *coeff, "--train-iters", str(BALANCER_ITERS),
-                    "--log-interval", str(BALANCER_LOG_INTERVAL), "--save", "")
-        ok = run["rc"] == 0 and len(run["records"]) == BALANCER_ITERS // BALANCER_LOG_INTERVAL and all(
-            math.isfinite(r["lm_loss"]) for r in run["records"].values())
-        rows[balancer] = {"passed": ok, **timing(run)[0],
-                          **(window_figures(run["records"]) if run["records"] else {"tail": run["tail"]})}
-        passed &= ok
-    return {"passed": passed, "iterations": BALANCER_ITERS, "rows": rows}
+def step_balancer(balancer: str, job: Job) -> dict:
+    coeff = ["--moe-aux-loss-coeff", "1e-2"] if balancer == "aux_loss" else []
+    run = train(job, f"bal-{balancer}", "--moe-balancer", balancer, *coeff, "--train-iters", str(BALANCER_ITERS),
+                "--log-interval", str(BALANCER_LOG_INTERVAL), "--save", "")
+    ok = run["rc"] == 0 and len(run["records"]) == BALANCER_ITERS // BALANCER_LOG_INTERVAL and all(
+        math.isfinite(r["lm_loss"]) for r in run["records"].values())
+    return {"passed": ok, **(window_figures(run["records"]) if run["records"] else {"tail": run["tail"]}),
+            "iterations": BALANCER_ITERS, **timing(run)[0]}
 
 
 def step_tensorboard(job: Job) -> dict:
@@ -291,10 +288,11 @@ def step_ep2(job: Job) -> dict:
             "tolerance": EP2_TOLERANCE, "tokens_per_sec": window_figures(run["records"])["tokens_per_sec"]}
 
 
+STEP_GROUPS = {"balancers": [f"balancer-{b}" for b in BALANCERS]}
 STEPS = {
     "resume": step_resume,
     "sigterm": step_sigterm,
-    "balancers": step_balancers,
+    **{f"balancer-{b}": functools.partial(step_balancer, b) for b in BALANCERS},
     "tensorboard": step_tensorboard,
     "gpu-tests": lambda job: pytest_step("tests", "--deselect", FLA_TEST, timeout=480),
     "fla-test": lambda job: pytest_step(FLA_TEST, timeout=420),
@@ -316,7 +314,16 @@ def summary_line(name: str, result: dict) -> str:
                if isinstance(v, (int, float, str)) and k not in ("name", "passed", "why", "tail")}
     text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in list(figures.items())[:6])
     why = f"{result['why']}; " if result.get("why") else ""
-    return f"{name:<12} {state:<8} {why}{text}"
+    return f"{name:<22} {state:<8} {why}{text}"
+
+
+def step_names(steps: str) -> list[str]:
+    """``--steps``: names of STEPS or of STEP_GROUPS, comma-separated, checked before anything runs."""
+    names = [n for part in steps.split(",") for n in STEP_GROUPS.get(part, [part])]
+    unknown = [n for n in names if n not in STEPS]
+    if unknown:
+        raise SystemExit(f"unknown step(s) {', '.join(unknown)}; steps: {', '.join([*STEPS, *STEP_GROUPS])}")
+    return names
 
 
 def run_steps(args) -> int:
@@ -327,9 +334,7 @@ def run_steps(args) -> int:
     report = {"commit": args.commit, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "device": device(), "config": str(job.config.relative_to(ROOT)), "extra_flags": list(job.extra),
               "steps": []}
-    for name in args.steps.split(","):
-        if name not in STEPS:
-            raise SystemExit(f"unknown step {name!r}; steps: {', '.join(STEPS)}")
+    for name in step_names(args.steps):
         print(f"=== {name} {time.strftime('%H:%M:%S')}", flush=True)
         start = time.monotonic()
         try:
