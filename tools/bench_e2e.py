@@ -24,7 +24,7 @@ Variants (``--variants``, default all):
 * A/B rows, not in the default list, ``NAME[+OPTION...][@LAYOUT]`` on an ours_full row: ``+eager``
   (HybridConfig's capacity-routing defaults, host reads on and no CUDA graphs, whatever ``--qb-cuda-graph``
   says), ``+torch-rounds`` (one-rank routing rounds as PyTorch ops instead of the Triton kernels,
-  ``quantile_capacity.ROUTING_KERNELS``), ``+no-attnres`` (standard residuals instead of Block AttnRes: the
+  ``moe_qb_rounds_impl: torch``), ``+no-attnres`` (standard residuals instead of Block AttnRes: the
   technique's overhead on this model), ``@LAYOUT`` (a ``tools/sweep_kda_kernels.py`` layout of the KDA
   kernels in force while it runs, e.g. ``ours_full_16k@state-bv32``); they combine
   (``ours_full_16k+eager@state-bv32``). A name may repeat: ``--variants

@@ -9,8 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tools import bench_common
-
 VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
 ROW_OPTIONS = ("eager", "torch-rounds", "no-attnres")  # ``+OPTION`` of an ours_full row: bench_e2e.py's docstring
 GPU_SIZES = dict(
@@ -54,19 +52,21 @@ def variant_problem(name: str) -> str | None:
 
 @contextlib.contextmanager
 def row_layout(name: str):
-    """The row's KDA kernel layout (``@layout``) and routing rounds (``+torch-rounds``) in force inside, the
-    module constants restored after."""
+    """The row's KDA kernel layout (``@layout``) in force inside, the module constants restored after. (The routing
+    rounds of ``+torch-rounds`` are a config field: :func:`qb_rounds_impl`.)"""
     _, options, layout = split_variant(name)
     with contextlib.ExitStack() as stack:
         if layout is not None:
             from tools.sweep_kda_kernels import CONFIGS, layout as kernel_layout
 
             stack.enter_context(kernel_layout(dict(CONFIGS)[layout]))
-        if "torch-rounds" in options:
-            from megatron_ext.moe import quantile_capacity
-
-            stack.enter_context(bench_common.constants_layout(quantile_capacity, {"ROUTING_KERNELS": False}))
         yield
+
+
+def qb_rounds_impl(name: str) -> str | None:
+    """``moe_qb_rounds_impl`` of a row: "torch" for ``+torch-rounds`` (the one-rank routing rounds as PyTorch ops
+    instead of the Triton kernels), else None (HybridConfig's default)."""
+    return "torch" if "torch-rounds" in split_variant(name)[1] else None
 
 
 def variant_shape(name: str, sizes: dict) -> tuple[int, int]:
@@ -81,7 +81,8 @@ def _dtype(cuda: bool) -> torch.dtype:
 
 
 def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_rounds: int | None = None,
-                qb_host_reads: bool | None = None, qb_cuda_graph: bool = False, attn_res: bool = True):
+                qb_host_reads: bool | None = None, qb_cuda_graph: bool = False, attn_res: bool = True,
+                qb_rounds_impl: str | None = None):
     """Our ``HybridConfig``: plain (full attention, top-k) or with KDA 3:1, qb_both and AttnRes (unless
     ``attn_res`` is False)."""
     from megatron_ext.config import HybridConfig
@@ -98,6 +99,8 @@ def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_r
         extra["moe_qb_host_reads"] = qb_host_reads
     if techniques and qb_cuda_graph:
         extra["moe_qb_cuda_graph"] = True
+    if techniques and qb_rounds_impl is not None:
+        extra["moe_qb_rounds_impl"] = qb_rounds_impl
     return HybridConfig(
         **model, num_query_groups=model["num_attention_heads"], vocab_size=sizes["vocab"],
         max_sequence_length=seq, expert_model_parallel_size=dist.get_world_size(),
@@ -166,7 +169,7 @@ def variant_setup(name: str, args, cuda: bool):
     host_reads, graphed = routing_layout(name, args, cuda)
     config = ours_config(sizes, seq, techniques=row_base.startswith("ours_full"), cuda=cuda,
                          qb_device_rounds=args.qb_device_rounds, qb_host_reads=host_reads, qb_cuda_graph=graphed,
-                         attn_res="no-attnres" not in options)
+                         attn_res="no-attnres" not in options, qb_rounds_impl=qb_rounds_impl(name))
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def after_step(chunks):  # once per optimizer step, as launch/train.py does

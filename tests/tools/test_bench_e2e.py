@@ -123,25 +123,29 @@ def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(
     assert layout("ours_full_16k") == (None, False)
 
 
-def test_row_layouts_apply_their_kernels_inside_and_restore_them():
-    """``ours_full_16k+torch-rounds@state-bv32``: the sweep layout's chunk.py constants and the PyTorch routing
-    rounds hold while that row runs only."""
+def test_row_layouts_apply_their_kernels_inside_and_restore_them(monkeypatch):
+    """``ours_full_16k+torch-rounds@state-bv32``: the sweep layout's chunk.py constants hold while that row runs
+    only; the PyTorch routing rounds are the row's config (``moe_qb_rounds_impl``), no module constant."""
+    import torch.distributed as dist
+
     import kernels.kda.chunk as chunk
-    from megatron_ext.moe import quantile_capacity
     from tools.bench_e2e import parse_args
-    from tools.e2e_rows import row_layout, split_variant
+    from tools.e2e_rows import SMOKE_SIZES, ours_config, qb_rounds_impl, row_layout, split_variant
 
     name = "ours_full_16k+eager+torch-rounds@state-bv32"
     assert parse_args(["--variants", name]).variants == [name]
     assert split_variant(name) == ("ours_full_16k", {"eager", "torch-rounds"}, "state-bv32")
     before = chunk.STATE_CONFIGS
-    assert quantile_capacity.ROUTING_KERNELS
     with row_layout(name):
         assert [config["BV"] for config in chunk.STATE_CONFIGS] == [32]
-        assert not quantile_capacity.ROUTING_KERNELS
-    assert chunk.STATE_CONFIGS == before and quantile_capacity.ROUTING_KERNELS
+    assert chunk.STATE_CONFIGS == before
     with row_layout("ours_full_16k"):  # no options, no layout: nothing changes
-        assert chunk.STATE_CONFIGS == before and quantile_capacity.ROUTING_KERNELS
+        assert chunk.STATE_CONFIGS == before
+    assert (qb_rounds_impl(name), qb_rounds_impl("ours_full_16k")) == ("torch", None)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    config = ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False, qb_rounds_impl=qb_rounds_impl(name))
+    assert config.moe_qb_rounds_impl == "torch"
+    assert ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False).moe_qb_rounds_impl == "auto"
 
 
 @pytest.mark.parametrize("name,message", [("ours_full+fast", "unknown option '\\+fast'"),
