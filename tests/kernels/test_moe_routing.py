@@ -131,6 +131,37 @@ def test_an_expert_over_by_one_pair_is_not_plain_top_k():
     assert torch.bincount(got.experts[:, 0], minlength=4).tolist() == [2, 2, 2, 2]
 
 
+@interpreter_case
+@pytest.mark.parametrize("host_reads", [True, False])
+def test_router_on_triton_and_torch_rounds_routes_the_same(host_reads):
+    """``moe_qb_rounds_impl`` triton vs torch through the router (qb_both, CPU fp32 under the interpreter): the
+    same routing, statistics and dual-bias updates over a few steps."""
+    from megatron_ext.moe.quantile_rounds import KernelRounds, TorchRounds
+    from megatron_ext.moe.router import TopKRouter, update_expert_biases
+    from tests.moe.test_moe_router import moe_config
+
+    routers = {}
+    for impl, kind in (("torch", TorchRounds), ("triton", KernelRounds)):
+        config = moe_config(moe_balancer="qb_both", moe_expert_capacity_factor=0.8, moe_qb_num_bins=32,
+                            moe_qb_host_reads=host_reads, moe_qb_rounds_impl=impl)
+        routers[impl] = router = TopKRouter(config, seed=5).train()
+        assert router.balancer.routing.capacity.rounds_kind is kind
+        with torch.no_grad():
+            router.weight[1] += 1.0
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(96, 16, generator=generator)
+        got, expected = routers["triton"](x)[0], routers["torch"](x)[0]
+        for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+        assert (got.rounds, got.plain, got.num_kept) == (expected.rounds, expected.plain, expected.num_kept)
+        for router in routers.values():
+            update_expert_biases([router], None)
+        assert torch.equal(routers["triton"].expert_bias, routers["torch"].expert_bias)
+        assert torch.equal(routers["triton"].step_dropped_rerouted, routers["torch"].step_dropped_rerouted)
+    assert routers["torch"].step_dropped_rerouted.sum() > 0  # the capacity bound
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="scores must be fp32"):
         capacity_rounds(torch.rand(4, 8, dtype=torch.float64), 2, 3)
