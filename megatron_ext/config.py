@@ -278,6 +278,7 @@ USER_FIELDS = (
     "moe_qb_device_rounds",
     "moe_qb_host_reads",
     "moe_qb_cuda_graph",
+    "moe_qb_rounds_impl",
     "kda_num_heads",
     "kda_head_dim",
     "kda_gate",

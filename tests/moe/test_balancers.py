@@ -147,3 +147,11 @@ def test_the_router_routes_through_its_capacity_routing_as_the_function_does():
     assert not got.plain and got.dropped + got.rerouted > 0
     router.eval()
     assert torch.equal(router(x)[0].experts, (scores + router.expert_bias).topk(2, dim=1).indices)
+
+
+def test_rounds_impl_is_a_user_key_and_not_structural():
+    """``--moe-qb-rounds-impl`` reaches launch/train.py; a checkpoint resumes under either kind of rounds."""
+    from megatron_ext.config import USER_FIELDS
+    from megatron_ext.training.checkpoint_compat import STRUCTURAL_MODEL_KEYS
+
+    assert "moe_qb_rounds_impl" in USER_FIELDS and "moe_qb_rounds_impl" not in STRUCTURAL_MODEL_KEYS
