@@ -21,7 +21,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 from megatron_ext.errors import ConfigError  # noqa: F401  (re-exported for callers)
-from megatron_ext.moe.quantile_capacity import DEVICE_ROUNDS
+from megatron_ext.moe.balancers import BALANCERS as MOE_BALANCERS
+from megatron_ext.moe.quantile_capacity import DEVICE_ROUNDS, ROUNDS_IMPLS as MOE_QB_ROUNDS_IMPLS
 
 
 # Attention kinds a layer pattern may use.
@@ -36,7 +37,6 @@ KDA_GATES = ("lower_bound", "softplus")
 # per-position diagonal path instead (exact, slower: the softplus gate's path), decided once from the bound.
 KDA_GATE_LOWER_BOUND_RANGE = (float("-inf"), 0.0)
 POSITION_EMBEDDING_TYPES = ("none", "rope")
-MOE_BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
 
 
 @dataclass
@@ -93,8 +93,12 @@ class HybridConfig(TransformerConfig):
     # still move after them is dropped. True: rounds until nothing can move, reading as above.
     moe_qb_host_reads: bool = True
     # True (with moe_qb_host_reads false): one-rank capacity routing on CUDA replayed from a CUDA graph per
-    # router (~160 launches -> 1; megatron_ext/moe/routing_graph.py); the eager call elsewhere.
+    # router (~160 launches -> 1; megatron_ext/moe/quantile_capacity.py); the eager call elsewhere.
     moe_qb_cuda_graph: bool = False
+    # Capacity routing's rounds: "auto" = Triton kernels (kernels/moe_routing) on one CUDA rank, PyTorch ops on a
+    # capacity group and off CUDA; "torch" = always the PyTorch ops (same routing; for A/B runs and as a fallback);
+    # "triton" = always the kernels (one capacity rank only).
+    moe_qb_rounds_impl: str = "auto"
     # KDA layers ("K" in attention_pattern). None means: heads = num_attention_heads,
     # head dim = kv_channels, gate rank = the KDA head dim.
     kda_num_heads: int | None = None
@@ -184,6 +188,9 @@ class HybridConfig(TransformerConfig):
             raise ConfigError(f"moe_qb_host_reads={self.moe_qb_host_reads!r} must be true or false")
         if not isinstance(self.moe_qb_cuda_graph, bool):
             raise ConfigError(f"moe_qb_cuda_graph={self.moe_qb_cuda_graph!r} must be true or false")
+        if self.moe_qb_rounds_impl not in MOE_QB_ROUNDS_IMPLS:
+            raise ConfigError(f"moe_qb_rounds_impl={self.moe_qb_rounds_impl!r}; allowed: "
+                              f"{', '.join(MOE_QB_ROUNDS_IMPLS)}")
         if self.moe_qb_cuda_graph and self.moe_qb_host_reads:
             raise ConfigError("moe_qb_cuda_graph: true needs moe_qb_host_reads: false (a CUDA graph cannot read "
                               "the device back to the host)")
@@ -304,6 +311,7 @@ USER_FIELDS = (
     "moe_qb_device_rounds",
     "moe_qb_host_reads",
     "moe_qb_cuda_graph",
+    "moe_qb_rounds_impl",
     "kda_num_heads",
     "kda_head_dim",
     "kda_gate",

@@ -23,10 +23,11 @@ Variants (``--variants``, default all):
   4x the 4k activations would not fit in one H200's 139 GB);
 * A/B rows, not in the default list, ``NAME[+OPTION...]`` on an ours_full row: ``+eager``
   (HybridConfig's capacity-routing defaults, host reads on and no CUDA graphs, whatever ``--qb-cuda-graph``
-  says), ``+no-attnres`` (standard residuals instead of Block AttnRes: the technique's overhead on this
-  model); they combine (``ours_full_16k+eager+no-attnres``). A name may repeat: ``--variants
-  ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager`` is an ABAB comparison in one
-  process. Kernel launch choices are compared across commits (they are not switches).
+  says), ``+torch-rounds`` (one-rank routing rounds as PyTorch ops instead of the Triton kernels,
+  ``moe_qb_rounds_impl: torch``), ``+no-attnres`` (standard residuals instead of Block AttnRes: the
+  technique's overhead on this model); they combine (``ours_full_16k+eager+no-attnres``). A name may repeat:
+  ``--variants ours_full_16k,ours_full_16k+torch-rounds,ours_full_16k,ours_full_16k+torch-rounds`` is an ABAB
+  comparison in one process. Kernel launch choices are compared across commits (they are not switches).
 
 The ours_full rows' capacity routing (``--qb-cuda-graph``, default ``auto``): on one GPU it runs without host
 reads and is replayed from CUDA graphs (``moe_qb_host_reads: false``, ``moe_qb_cuda_graph: true``: the

@@ -8,8 +8,8 @@ offsets (so capacity mode has real overflow work), on CUDA when present. Ops:
 * ``capacity_routing`` at each ``--capacity-factor`` (one process: no collectives timed;
   add one ``E x num_bins`` int64 all-reduce per round, see docs/quantile_balancing.md), with
   its round count (``rounds``; 1 for the top-k rows): with host reads (rounds until nothing
-  moves) and without (three rounds), as the library runs them (the Triton kernels on one CUDA
-  rank; another choice of kernels is compared across commits, not here);
+  moves) and without (three rounds), each with the rounds as PyTorch ops (``torch``) and, on
+  CUDA, as the Triton kernels (``triton``; ``capacity_routing(..., rounds=...)``);
 * ``dual_bias_histogram`` (per microbatch) and ``dual_bias_update`` (per step).
 
 Times are medians over ``--repeats`` calls (CUDA-synchronised). Prints a table and writes
@@ -98,10 +98,14 @@ def main(argv=None):
         "torch.topk": (lambda: scores.topk(k, dim=1), None),
         "topk_routing": (lambda: topk_routing(scores, k), lambda: load_stats(topk_routing(scores, k))),
     }
+    # (label, host reads, rounds): the one-rank rounds as PyTorch ops / Triton kernels
+    kinds = [("reads torch", True, "torch"), ("no-reads torch", False, "torch")]
+    if device.type == "cuda":
+        kinds += [("reads triton", True, "triton"), ("no-reads triton", False, "triton")]
     for cf in args.capacity_factor:
-        for label, host_reads in (("reads", True), ("no-reads", False)):
-            def run(cf=cf, host_reads=host_reads):
-                return capacity_routing(scores, k, cf, num_bins=args.num_bins, host_reads=host_reads)
+        for label, host_reads, rounds in kinds:
+            def run(cf=cf, host_reads=host_reads, rounds=rounds):
+                return capacity_routing(scores, k, cf, num_bins=args.num_bins, host_reads=host_reads, rounds=rounds)
             ops[f"capacity cf={cf:g} {label}"] = (run, lambda run=run: load_stats(run()))
     ops["dual_bias_histogram"] = (lambda: dual_bias_histogram(scores, bias, k, lo, hi, args.num_bins), None)
     ops["dual_bias_update"] = (lambda: dual_bias_update(counts, lo, hi, k), None)

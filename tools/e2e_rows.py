@@ -8,10 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tools import bench_common
-
 VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
-ROW_OPTIONS = ("eager", "no-attnres")  # ``+OPTION`` of an ours_full row: bench_e2e.py's docstring
+ROW_OPTIONS = ("eager", "torch-rounds", "no-attnres")  # ``+OPTION`` of an ours_full row: bench_e2e.py's docstring
 GPU_SIZES = dict(
     model=dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=64,
                moe_router_topk=8, moe_ffn_hidden_size=1024),
@@ -45,6 +43,12 @@ def variant_problem(name: str) -> str | None:
     return None
 
 
+def qb_rounds_impl(name: str) -> str | None:
+    """``moe_qb_rounds_impl`` of a row: "torch" for ``+torch-rounds`` (the one-rank routing rounds as PyTorch ops
+    instead of the Triton kernels), else None (HybridConfig's default)."""
+    return "torch" if "torch-rounds" in split_variant(name)[1] else None
+
+
 def variant_shape(name: str, sizes: dict) -> tuple[int, int]:
     """(sequence length, micro-batch) of a variant."""
     if split_variant(name)[0].endswith("_16k"):
@@ -57,7 +61,8 @@ def _dtype(cuda: bool) -> torch.dtype:
 
 
 def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_rounds: int | None = None,
-                qb_host_reads: bool | None = None, qb_cuda_graph: bool = False, attn_res: bool = True):
+                qb_host_reads: bool | None = None, qb_cuda_graph: bool = False, attn_res: bool = True,
+                qb_rounds_impl: str | None = None):
     """Our ``HybridConfig``: plain (full attention, top-k) or with KDA 3:1, qb_both and AttnRes (unless
     ``attn_res`` is False)."""
     from megatron_ext.config import HybridConfig
@@ -74,6 +79,8 @@ def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_r
         extra["moe_qb_host_reads"] = qb_host_reads
     if techniques and qb_cuda_graph:
         extra["moe_qb_cuda_graph"] = True
+    if techniques and qb_rounds_impl is not None:
+        extra["moe_qb_rounds_impl"] = qb_rounds_impl
     return HybridConfig(
         **model, num_query_groups=model["num_attention_heads"], vocab_size=sizes["vocab"],
         max_sequence_length=seq, expert_model_parallel_size=dist.get_world_size(),
@@ -142,7 +149,7 @@ def variant_setup(name: str, args, cuda: bool):
     host_reads, graphed = routing_layout(name, args, cuda)
     config = ours_config(sizes, seq, techniques=row_base.startswith("ours_full"), cuda=cuda,
                          qb_device_rounds=args.qb_device_rounds, qb_host_reads=host_reads, qb_cuda_graph=graphed,
-                         attn_res="no-attnres" not in options)
+                         attn_res="no-attnres" not in options, qb_rounds_impl=qb_rounds_impl(name))
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def after_step(chunks):  # once per optimizer step, as launch/train.py does

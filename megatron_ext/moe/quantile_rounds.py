@@ -1,4 +1,4 @@
-"""The rounds of capacity routing, two kinds behind one interface (``quantile_capacity._route`` runs the
+"""The rounds of capacity routing, two kinds behind one interface (``quantile_capacity.CapacityRouting`` runs the
 protocol of rounds and host reads over either): :class:`TorchRounds`, PyTorch ops on one rank or a group (round 1
 on the top-k columns, later rounds on dense ``[N, E]`` masks, :class:`_Overflow`), and :class:`KernelRounds`,
 Triton kernels on one CUDA rank (``kernels/moe_routing``). Also the capacity itself (:func:`expert_capacity`).

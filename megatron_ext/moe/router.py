@@ -4,21 +4,13 @@
 (experts ``[N, k]``, fp32 gates ``[N, k]``). Logits, scores and every statistic are fp32.
 Selection may use the fp32 ``expert_bias`` buffer; gates always come from the unbiased scores.
 
-Balancers (``config.moe_balancer``):
-
-* ``"none"``: plain top-k.
-* ``"aux_loss"``: Switch-style loss ``coeff * E * sum_j f_j * P_j`` on this rank's tokens,
-  injected into backward by :class:`AuxLossInjector` (the forward activations are unchanged).
-* ``"sign_bias"``: loss-free bias, ``b_j += u * sign(mean_load - load_j)`` once per optimizer
-  step from loads summed over the step's microbatches and the data/expert group
-  (:meth:`TopKRouter.update_expert_bias`).
-* ``"qb_capacity"``: quantile capacity routing while training (every expert takes at most
-  ``ceil(moe_expert_capacity_factor * N_group * k / E)`` pairs over ``capacity_group``; refused
-  pairs overflow to the next-best expert with room, else are dropped); plain top-k in eval.
-* ``"qb_bias"``: dual bias; per microbatch a histogram of ``r_ij = alpha_i - s_ij`` is summed
-  into ``step_residual_histogram``; :meth:`TopKRouter.update_expert_bias` all-reduces it and
-  sets the bias to the per-expert ``k/E`` quantiles (re-centred).
-* ``"qb_both"``: capacity routing on the dual-biased scores, plus the dual-bias update.
+The balancer (``config.moe_balancer``: none, aux_loss, sign_bias, qb_capacity, qb_bias, qb_both) is a
+:class:`~megatron_ext.moe.balancers.Balancer` built once at construction
+(:func:`~megatron_ext.moe.balancers.build_balancer`): how a training forward routes (top-k or quantile capacity
+routing), the bias added to the scores before top-k and its update after each optimizer step (sign rule or dual
+bias), and the loss it adds (Switch aux loss). The router keeps the state as buffers (``expert_bias``, the step
+statistics) and calls the balancer at three points: ``route`` and ``observe`` in :meth:`TopKRouter.forward`,
+the bias's ``update`` in :meth:`TopKRouter.update_expert_bias` / :func:`update_expert_biases`.
 """
 
 from __future__ import annotations
@@ -28,18 +20,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
-from megatron_ext.moe.routing_graph import CapacityRoutingGraphs
-from megatron_ext.moe.quantile import Routing, capacity_routing, dual_bias_histogram, dual_bias_range, topk_routing
-from megatron_ext.moe.quantile_dual_bias import dual_bias_updates
+from megatron_ext.moe.balancers import BALANCERS, AuxLossInjector, build_balancer
 from megatron_ext.moe.quantile_histogram import flat_counts
+from megatron_ext.moe.quantile_routing import Routing
 
 __all__ = ["TopKRouter", "AuxLossInjector", "BALANCERS", "expert_counts", "init_on_cpu", "param_device",
            "update_expert_biases", "discard_expert_bias_statistics"]
 
-BALANCERS = ("none", "aux_loss", "sign_bias", "qb_capacity", "qb_bias", "qb_both")
-_BIASED_BALANCERS = ("sign_bias", "qb_bias", "qb_both")
-_CAPACITY_BALANCERS = ("qb_capacity", "qb_both")
-_DUAL_BIAS_BALANCERS = ("qb_bias", "qb_both")
+# The buffers a balancer's bias may ask for (Balancer.buffers), in registration order; those it does not ask for
+# are None. Their names are checkpoint keys (expert_bias) and read by metrics and the training loop.
+_BIAS_BUFFERS = ("expert_bias", "step_tokens_per_expert", "step_residual_histogram")
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int, all_kept: bool = False) -> torch.Tensor:
@@ -74,55 +64,6 @@ def init_on_cpu(shape, init_method, seed: int, perform_initialization: bool = Tr
     return tensor
 
 
-class AuxLossInjector(torch.autograd.Function):
-    """Identity on ``activations`` whose backward also seeds ``d aux_loss = scale``.
-
-    The scale is the one Megatron's pipeline schedule sets for its own aux losses
-    (``MoEAuxLossAutoScaler.main_loss_backward_scale``: loss scale / num microbatches), so the
-    aux loss is weighted like the main loss; 1.0 when no schedule has set it.
-    """
-
-    @staticmethod
-    def forward(ctx, activations: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux_loss)
-        return activations.view_as(activations)
-
-    @staticmethod
-    def backward(ctx, grad_activations: torch.Tensor):
-        from megatron.core.transformer.moe.router import MoEAuxLossAutoScaler
-
-        (aux_loss,) = ctx.saved_tensors
-        scale = MoEAuxLossAutoScaler.main_loss_backward_scale
-        grad_aux = torch.ones_like(aux_loss) if scale is None else torch.ones_like(aux_loss) * scale.to(aux_loss)
-        return grad_activations, grad_aux
-
-
-def _choose_balancer(config) -> str:
-    balancer = getattr(config, "moe_balancer", "none")
-    if balancer not in BALANCERS:
-        raise ValueError(f"moe_balancer must be one of {BALANCERS}, got {balancer!r}")
-    if config.moe_router_enable_expert_bias:
-        # Megatron's finalize_model_grads would update our expert_bias a second time.
-        raise ValueError("moe_router_enable_expert_bias must be False with megatron_ext's MoE router; "
-                         "select the loss-free bias with moe_balancer='sign_bias' instead")
-    if balancer == "aux_loss" and not config.moe_aux_loss_coeff > 0:
-        raise ValueError(f"moe_aux_loss_coeff must be > 0 when moe_balancer='aux_loss', "
-                         f"got {config.moe_aux_loss_coeff!r}")
-    capacity_factor = config.moe_expert_capacity_factor
-    if balancer in _CAPACITY_BALANCERS and not (capacity_factor is not None and capacity_factor > 0):
-        raise ValueError(f"moe_expert_capacity_factor must be > 0 when moe_balancer={balancer!r}, "
-                         f"got {capacity_factor!r}")
-    if balancer not in _CAPACITY_BALANCERS and capacity_factor is not None:
-        raise ValueError(f"moe_expert_capacity_factor is only used by moe_balancer in {_CAPACITY_BALANCERS}; "
-                         f"leave it None for {balancer!r}")
-    if balancer in _DUAL_BIAS_BALANCERS and not config.moe_router_topk < config.num_moe_experts:
-        raise ValueError(f"moe_router_topk must be < num_moe_experts for moe_balancer={balancer!r}")
-    if config.moe_router_score_function not in ("sigmoid", "softmax"):
-        raise ValueError(f"moe_router_score_function must be 'sigmoid' or 'softmax', "
-                         f"got {config.moe_router_score_function!r}")
-    return balancer
-
-
 class TopKRouter(MegatronModule):
     """Gate ``[E, h]``; ``forward(x [N, h]) -> (Routing, local_counts [E] int64)``.
 
@@ -132,44 +73,35 @@ class TopKRouter(MegatronModule):
 
     def __init__(self, config, seed: int, capacity_group: dist.ProcessGroup | None = None):
         super().__init__(config)
-        self.balancer = _choose_balancer(config)
         self.capacity_group = capacity_group
         self.num_bins = getattr(config, "moe_qb_num_bins", 1000)
-        if not isinstance(self.num_bins, int) or self.num_bins < 1:
-            raise ValueError(f"moe_qb_num_bins must be a positive int, got {self.num_bins!r}")
-        self.device_rounds = getattr(config, "moe_qb_device_rounds", None)  # None: capacity_routing's default
-        self.host_reads = getattr(config, "moe_qb_host_reads", True)
-        # One-rank CUDA capacity routing replayed from CUDA graphs (needs host_reads False; config-checked).
-        self.routing_graphs = CapacityRoutingGraphs() if getattr(config, "moe_qb_cuda_graph", False) else None
-        if self.routing_graphs is not None and self.host_reads:
-            raise ValueError("moe_qb_cuda_graph=True needs moe_qb_host_reads=False (a CUDA graph cannot read the "
-                             "device back to the host)")
         self.num_experts = config.num_moe_experts
         self.topk = config.moe_router_topk
         self.score_function = config.moe_router_score_function
+        device = param_device(config)
+        # Chosen once: how it routes, the bias and its update, the loss (checks the config's balancer settings).
+        self.balancer = build_balancer(config, capacity_group, device)
         weight = init_on_cpu((self.num_experts, config.hidden_size), config.init_method, seed,
                              config.perform_initialization)
-        self.weight = torch.nn.Parameter(weight.to(device=param_device(config), dtype=config.params_dtype))
+        self.weight = torch.nn.Parameter(weight.to(device=device, dtype=config.params_dtype))
         # Replicated over TP; under sequence parallelism each TP rank sees other tokens, so
         # Megatron all-reduces grads of params marked like this over the TP group.
         self.weight.sequence_parallel = config.sequence_parallel
 
         device = self.weight.device
-        if self.balancer in _BIASED_BALANCERS:
-            self.register_buffer("expert_bias", torch.zeros(self.num_experts, device=device))
-            self.register_buffer("step_tokens_per_expert", torch.zeros(self.num_experts, device=device),
-                                 persistent=False)
-        else:
-            self.expert_bias = None
-            self.step_tokens_per_expert = None
-        histogram = None
-        if self.balancer in _DUAL_BIAS_BALANCERS:
-            histogram = torch.zeros(self.num_experts, self.num_bins, dtype=torch.int64, device=device)
-        self.register_buffer("step_residual_histogram", histogram, persistent=False)
+        # The bias (saved: "expert_bias") and its step statistics (not saved), as the balancer asks.
+        wanted = {name: (tensor, persistent)
+                  for name, tensor, persistent in self.balancer.buffers(self.num_experts, self.num_bins, device)}
+        for name in _BIAS_BUFFERS:
+            if name in wanted:
+                self.register_buffer(name, wanted[name][0], persistent=wanted[name][1])
+            elif name == "step_residual_histogram":
+                self.register_buffer(name, None, persistent=False)
+            else:
+                setattr(self, name, None)
         # Statistics of the last forward, for metrics (detached).
         self.local_tokens_per_expert: torch.Tensor | None = None
         self._counts_per_rank: torch.Tensor | None = None  # global_tokens_per_expert, summed when read
-        self._dual_range: tuple | None = None  # (bias, its version, lo, hi, num_bins / (hi - lo))
         self.last_aux_loss: torch.Tensor | None = None
         self.last_dropped: torch.Tensor | None = None
         self.last_rerouted: torch.Tensor | None = None
@@ -190,6 +122,7 @@ class TopKRouter(MegatronModule):
         for name, tensor in kept.items():
             target = fn(torch.empty(0, dtype=tensor.dtype, device=tensor.device)).device
             self._buffers[name] = tensor.to(target)
+        self.balancer.place(self.weight.device)  # the capacity routing's rounds follow the scores' device
         return self
 
     def scores(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -203,53 +136,14 @@ class TopKRouter(MegatronModule):
         # moe_router_pre_softmax (False: softmax over the chosen k, i.e. renormalised).
         renormalize = self.score_function == "sigmoid" or not self.config.moe_router_pre_softmax
         counting = self.training and torch.is_grad_enabled()  # once per microbatch, also under recompute
-        if self.balancer in _CAPACITY_BALANCERS and self.training and self._graphed(scores):
-            routing = self.routing_graphs(scores, self.topk, self.config.moe_expert_capacity_factor,
-                                          bias=self.expert_bias, num_bins=self.num_bins,
-                                          device_rounds=self.device_rounds, renormalize=renormalize)
-        elif self.balancer in _CAPACITY_BALANCERS and self.training:
-            routing = capacity_routing(scores, self.topk, self.config.moe_expert_capacity_factor,
-                                       bias=self.expert_bias, num_bins=self.num_bins,
-                                       group=self.capacity_group, renormalize=renormalize,
-                                       device_rounds=self.device_rounds, host_reads=self.host_reads)
-        else:
-            routing = topk_routing(scores, self.topk, self.expert_bias, renormalize=renormalize)
+        routing = self.balancer.route(scores, self.expert_bias, renormalize, self.training)
         if self.config.moe_router_topk_scaling_factor is not None:
             routing.gates = routing.gates * self.config.moe_router_topk_scaling_factor
         counts = expert_counts(routing.experts, self.num_experts, all_kept=routing.plain)
-
-        if self.balancer == "aux_loss" and counting:
-            aux_loss = self.aux_loss(scores, counts)
-            routing.gates = AuxLossInjector.apply(routing.gates, aux_loss)
-            self.last_aux_loss = aux_loss.detach()
-        if self.balancer == "sign_bias" and counting:  # the only update that reads the loads
-            self.step_tokens_per_expert += counts.float()
-        if self.step_residual_histogram is not None and counting:
-            lo, hi, scale = self.dual_bias_range()  # fixed for the step: the bias moves only at updates
-            self.step_residual_histogram += dual_bias_histogram(scores.detach(), self.expert_bias, self.topk,
-                                                                lo, hi, self.num_bins, scale)
-
+        if counting:  # the aux loss into backward, the bias's step statistics
+            routing.gates = self.balancer.observe(self, scores, counts, routing.gates)
         self.record_statistics(routing, counts, counting)
         return routing, counts
-
-    def _graphed(self, scores: torch.Tensor) -> bool:
-        """Capacity routing from CUDA graphs: asked for, on CUDA, and one rank in the capacity group (the
-        graphs hold no collectives); elsewhere the eager call, which gives the same routing."""
-        group = self.capacity_group
-        return (self.routing_graphs is not None and scores.is_cuda
-                and (group is None or dist.get_world_size(group) == 1))
-
-    def dual_bias_range(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``dual_bias_range(expert_bias)`` and ``num_bins / (hi - lo)``, computed once per value of
-        the bias: kept until the bias is replaced or changed in place (its version counter moves
-        on every in-place write: the update's copy, ``load_state_dict``, ``.copy_``). A write
-        through ``expert_bias.data`` does not move it; nothing here writes that way."""
-        bias = self.expert_bias
-        cached = self._dual_range
-        if cached is None or cached[0] is not bias or cached[1] != bias._version:
-            lo, hi = dual_bias_range(bias)
-            cached = self._dual_range = (bias, bias._version, lo, hi, self.num_bins / (hi - lo))
-        return cached[2:]
 
     def record_statistics(self, routing: Routing, counts: torch.Tensor, counting: bool) -> None:
         """Keep the last forward's statistics and, for a counted training forward (once per
@@ -265,15 +159,6 @@ class TopKRouter(MegatronModule):
     def reset_step_statistics(self) -> None:
         self.step_routed_counts.zero_()
         self.step_dropped_rerouted.zero_()
-
-    def aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Switch loss ``coeff * E * sum_j f_j * P_j``: f_j = share of (token, slot) pairs sent to
-        j, P_j = mean over tokens of j's probability (sigmoid scores normalised per token)."""
-        probs = scores if self.score_function == "softmax" else scores / scores.sum(-1, keepdim=True)
-        num_pairs = scores.shape[0] * self.topk
-        load_share = counts.float() / max(num_pairs, 1)
-        mean_prob = probs.mean(dim=0)
-        return self.config.moe_aux_loss_coeff * self.num_experts * (load_share * mean_prob).sum()
 
     def record_global_counts(self, counts_per_rank: torch.Tensor) -> None:
         """Keep ``[P, E]`` counts per EP rank (from the dispatcher) for
@@ -292,36 +177,8 @@ class TopKRouter(MegatronModule):
         DP x EP x TP under sequence parallelism), update the bias, reset the statistics.
         sign_bias: ``b += u * sign(mean load - load)``; qb_bias/qb_both: ``b = k/E`` quantiles
         of the residuals, re-centred. No-op for balancers without a bias."""
-        if self.balancer == "sign_bias":
-            loads = _all_reduced(self.step_tokens_per_expert, group)
-            self.expert_bias += self.config.moe_router_bias_update_rate * torch.sign(loads.mean() - loads)
-            self.step_tokens_per_expert.zero_()
-        elif self.balancer in _DUAL_BIAS_BALANCERS:
-            _update_dual_biases([self], group)
-
-
-def _all_reduced(tensor: torch.Tensor, group) -> torch.Tensor:
-    total = tensor.clone()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
-    return total
-
-
-@torch.no_grad()
-def _update_dual_biases(routers: list[TopKRouter], group) -> None:
-    """The dual-bias update of several routers (same experts, bins, top-k and device) at once: one
-    all-reduce of their stacked histograms and one batched quantile computation
-    (:func:`~megatron_ext.moe.quantile_dual_bias.dual_bias_updates`); each bias ends exactly where its
-    own update would put it. A step without a training forward (empty histogram) keeps the bias: decided
-    on the device, since a host read here would wait for the optimizer step."""
-    histograms = [r.step_residual_histogram for r in routers]
-    biases = [r.expert_bias for r in routers]
-    counts = torch.stack(histograms)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(counts, group=group)
-    updated = dual_bias_updates(counts, torch.stack(biases), routers[0].topk)
-    torch._foreach_copy_(biases, list(updated.unbind(0)))
-    torch._foreach_zero_(histograms)
+        if self.balancer.bias is not None:
+            self.balancer.bias.update([self], group)
 
 
 def update_expert_biases(model_chunks, group: dist.ProcessGroup | None = None) -> None:
@@ -334,13 +191,14 @@ def update_expert_biases(model_chunks, group: dist.ProcessGroup | None = None) -
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, TopKRouter) and module.training:
-                if module.balancer in _DUAL_BIAS_BALANCERS:
-                    key = (module.num_experts, module.num_bins, module.topk, module.expert_bias.device)
-                    batches.setdefault(key, []).append(module)
-                else:
+                bias = module.balancer.bias
+                key = None if bias is None else bias.batch_key(module)
+                if key is None:
                     module.update_expert_bias(group)
+                else:
+                    batches.setdefault(key, []).append(module)
     for routers in batches.values():  # dict order: first appearance, the same on every rank
-        _update_dual_biases(routers, group)
+        routers[0].balancer.bias.update(routers, group)
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """Capacity routing rounds: Triton kernels vs the PyTorch reference (naive.py, a per-expert sort) and vs
-``quantile_capacity._route``'s PyTorch rounds without host reads (histogram admission). All three must agree
+``CapacityRouting``'s PyTorch rounds without host reads (histogram admission). All three must agree
 to the bit: experts, dropped, rerouted, per-expert load. CPU: Triton interpreter in a subprocess; GPU: the
 benchmark's shapes."""
 
@@ -21,15 +21,18 @@ def make_scores(num_tokens, num_experts, skew, seed, device="cpu", bias=True):
 
 
 def torch_rounds(scores, k, capacity_factor, bias, num_bins, rounds):
-    from megatron_ext.moe import quantile_capacity
+    from megatron_ext.moe.quantile_capacity import CapacityRouting
 
-    saved, quantile_capacity.ROUTING_KERNELS = quantile_capacity.ROUTING_KERNELS, False
-    try:
-        result = quantile_capacity._route(scores, k, capacity_factor, bias, num_bins, 0.0, 1.0, None, None,
-                                          rounds - 1, False)
-    finally:
-        quantile_capacity.ROUTING_KERNELS = saved
+    routing = CapacityRouting(k, capacity_factor, num_bins=num_bins, device_rounds=rounds - 1, host_reads=False,
+                              rounds="torch", device=scores.device)
+    result = routing(scores, bias)
     return result.experts, result.dropped, result.rerouted, result.global_load
+
+
+def assert_same_routing(got, expected):
+    for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
+        assert torch.equal(getattr(got, name), getattr(expected, name)), name
+    assert (got.rounds, got.plain, got.num_kept) == (expected.rounds, expected.plain, expected.num_kept)
 
 
 def assert_same(got, expected):
@@ -94,19 +97,19 @@ def test_saturated_scores_and_scores_outside_the_range_fill_the_edge_bins():
     (False, 1, 2),
 ])
 @pytest.mark.parametrize("capacity_factor", [0.7, 1.0, 4.0])  # 4.0: nobody over-subscribed, plain top-k
-def test_capacity_routing_on_the_kernels_equals_the_pytorch_rounds(monkeypatch, host_reads, max_rounds, device_rounds,
+def test_capacity_routing_on_the_kernels_equals_the_pytorch_rounds(host_reads, max_rounds, device_rounds,
                                                                    capacity_factor):
-    """quantile_capacity's protocol of rounds and host reads on the Triton rounds: the same routing, round count,
-    plain flag and kept-pair count as on the PyTorch rounds (gates too: they come from the same experts)."""
-    from megatron_ext.moe import quantile_capacity
+    """The protocol of rounds and host reads on the Triton rounds: the same routing, round count, plain flag and
+    kept-pair count as on the PyTorch rounds (gates too: they come from the same experts), through the same
+    entry (``capacity_routing(..., rounds=...)``)."""
     from megatron_ext.moe.quantile import capacity_routing
 
     scores, bias = make_scores(200, 16, 2.0, seed=7)
     settings = dict(bias=bias, num_bins=50, max_rounds=max_rounds, device_rounds=device_rounds,
                     host_reads=host_reads)
-    expected = capacity_routing(scores, 4, capacity_factor, **settings)  # CPU scores: the PyTorch rounds
-    monkeypatch.setattr(quantile_capacity, "_kernels_apply", lambda scores, group, host_reads: group is None)
-    got = capacity_routing(scores, 4, capacity_factor, **settings)
+    expected = capacity_routing(scores, 4, capacity_factor, **settings)  # CPU scores, "auto": the PyTorch rounds
+    assert_same_routing(capacity_routing(scores, 4, capacity_factor, rounds="torch", **settings), expected)
+    got = capacity_routing(scores, 4, capacity_factor, rounds="triton", **settings)
     for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
     assert (got.rounds, got.plain, got.num_kept) == (expected.rounds, expected.plain, expected.num_kept)
@@ -116,18 +119,47 @@ def test_capacity_routing_on_the_kernels_equals_the_pytorch_rounds(monkeypatch, 
 
 
 @interpreter_case
-def test_an_expert_over_by_one_pair_is_not_plain_top_k(monkeypatch):
+def test_an_expert_over_by_one_pair_is_not_plain_top_k():
     """8 tokens, top-1, 4 experts: capacity 2 and three tokens prefer expert 0. The first read must see its
     single refusal (a plain result would put 3 pairs on expert 0) and the next round moves that token."""
-    from megatron_ext.moe import quantile_capacity
     from megatron_ext.moe.quantile import capacity_routing
 
     favourite = torch.tensor([0, 0, 0, 1, 1, 2, 2, 3])
     scores = (torch.rand(8, 4, generator=torch.Generator().manual_seed(1)) * 0.5).scatter_(1, favourite[:, None], 0.9)
-    monkeypatch.setattr(quantile_capacity, "_kernels_apply", lambda scores, group, host_reads: group is None)
-    got = capacity_routing(scores, 1, 1.0, num_bins=16)
+    got = capacity_routing(scores, 1, 1.0, num_bins=16, rounds="triton")
     assert not got.plain and got.rounds == 2 and got.rerouted == 1 and got.dropped == 0
     assert torch.bincount(got.experts[:, 0], minlength=4).tolist() == [2, 2, 2, 2]
+
+
+@interpreter_case
+@pytest.mark.parametrize("host_reads", [True, False])
+def test_router_on_triton_and_torch_rounds_routes_the_same(host_reads):
+    """``moe_qb_rounds_impl`` triton vs torch through the router (qb_both, CPU fp32 under the interpreter): the
+    same routing, statistics and dual-bias updates over a few steps."""
+    from megatron_ext.moe.quantile_rounds import KernelRounds, TorchRounds
+    from megatron_ext.moe.router import TopKRouter, update_expert_biases
+    from tests.moe.test_moe_router import moe_config
+
+    routers = {}
+    for impl, kind in (("torch", TorchRounds), ("triton", KernelRounds)):
+        config = moe_config(moe_balancer="qb_both", moe_expert_capacity_factor=0.8, moe_qb_num_bins=32,
+                            moe_qb_host_reads=host_reads, moe_qb_rounds_impl=impl)
+        routers[impl] = router = TopKRouter(config, seed=5).train()
+        assert router.balancer.routing.capacity.rounds_kind is kind
+        with torch.no_grad():
+            router.weight[1] += 1.0
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(96, 16, generator=generator)
+        got, expected = routers["triton"](x)[0], routers["torch"](x)[0]
+        for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), name
+        assert (got.rounds, got.plain, got.num_kept) == (expected.rounds, expected.plain, expected.num_kept)
+        for router in routers.values():
+            update_expert_biases([router], None)
+        assert torch.equal(routers["triton"].expert_bias, routers["torch"].expert_bias)
+        assert torch.equal(routers["triton"].step_dropped_rerouted, routers["torch"].step_dropped_rerouted)
+    assert routers["torch"].step_dropped_rerouted.sum() > 0  # the capacity bound
 
 
 def test_bad_arguments_are_named():
@@ -139,17 +171,16 @@ def test_bad_arguments_are_named():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_experts", [64, 256])
-def test_capacity_routing_with_reads_on_the_kernels_equals_the_pytorch_rounds_on_gpu(monkeypatch, num_experts):
-    """The default eager call (host reads, rounds until nothing moves) on the Triton rounds
-    (``ROUTING_KERNELS_WITH_READS``) against the PyTorch rounds, at the benchmark's shapes."""
-    from megatron_ext.moe import quantile_capacity
+def test_capacity_routing_with_reads_on_the_kernels_equals_the_pytorch_rounds_on_gpu(num_experts):
+    """The default eager call (host reads, rounds until nothing moves) on the Triton rounds (what "auto" picks on
+    one CUDA rank) against the PyTorch rounds, at the benchmark's shapes."""
     from megatron_ext.moe.quantile import capacity_routing
+    from megatron_ext.moe.quantile_capacity import CapacityRouting
+    from megatron_ext.moe.quantile_rounds import KernelRounds
 
+    assert CapacityRouting(8, 1.0, device="cuda").rounds_kind is KernelRounds
     scores, bias = make_scores(16384, num_experts, 2.0, seed=num_experts, device="cuda")
-    monkeypatch.setattr(quantile_capacity, "ROUTING_KERNELS", False)
-    expected = capacity_routing(scores, 8, 1.0, bias=bias)
-    monkeypatch.setattr(quantile_capacity, "ROUTING_KERNELS", True)
-    monkeypatch.setattr(quantile_capacity, "ROUTING_KERNELS_WITH_READS", True)
+    expected = capacity_routing(scores, 8, 1.0, bias=bias, rounds="torch")
     got = capacity_routing(scores, 8, 1.0, bias=bias)
     for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name

@@ -14,7 +14,8 @@ def moe_config(**overrides) -> TransformerConfig:
                     moe_router_score_function="sigmoid", use_cpu_initialization=True, init_method_std=0.3)
     settings.update(overrides)
     ours = {key: settings.pop(key) for key in ("moe_balancer", "moe_qb_num_bins", "moe_qb_device_rounds",
-                                               "moe_qb_host_reads", "moe_qb_cuda_graph") if key in settings}
+                                               "moe_qb_host_reads", "moe_qb_cuda_graph", "moe_qb_rounds_impl")
+            if key in settings}
     config = TransformerConfig(**settings)
     for key, value in ours.items():  # our knobs; HybridConfig declares them
         setattr(config, key, value)
@@ -168,7 +169,7 @@ def test_expert_counts_skip_dropped_pairs():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(moe_balancer="bogus"), "moe_balancer must be one of"),
+    (dict(moe_balancer="bogus"), "^moe_balancer='bogus'; allowed: none, aux_loss, sign_bias, qb_capacity, "),
     (dict(moe_balancer="aux_loss", moe_aux_loss_coeff=0.0), "moe_aux_loss_coeff must be > 0"),
     (dict(moe_balancer="qb_capacity"), "moe_expert_capacity_factor must be > 0"),
     (dict(moe_balancer="none", moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor is only used"),
@@ -232,7 +233,8 @@ def test_cuda_graph_routing_needs_no_host_reads_and_falls_back_off_cuda():
     eager = _router(**settings).train()
     torch.manual_seed(0)
     graphed = _router(moe_qb_cuda_graph=True, **settings).train()
-    assert graphed.routing_graphs is not None and not graphed._graphed(torch.zeros(1))
+    capacity = graphed.balancer.routing.capacity
+    assert capacity.cuda_graph and capacity.graphs is None  # CPU: decided at construction, eager
     x = torch.randn(64, 16)
     expected, got = eager(x)[0], graphed(x)[0]
     assert torch.equal(got.experts, expected.experts) and torch.equal(got.gates, expected.gates)
@@ -240,28 +242,29 @@ def test_cuda_graph_routing_needs_no_host_reads_and_falls_back_off_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("routing_kernels", [True, False], ids=["triton-rounds", "torch-rounds"])
-def test_cuda_graph_capacity_routing_equals_eager_and_sees_the_bias_in_place(routing_kernels, monkeypatch):
+@pytest.mark.parametrize("rounds", ["triton", "torch"])
+def test_cuda_graph_capacity_routing_equals_eager_and_sees_the_bias_in_place(rounds):
     """Replayed from a CUDA graph: the eager ``capacity_routing(host_reads=False)`` result on new scores
     every call, an in-place bias update seen by the graph, outputs that later replays do not overwrite,
     and no host sync; with the rounds as Triton kernels and as PyTorch ops."""
-    from megatron_ext.moe import quantile_capacity
-    from megatron_ext.moe.routing_graph import CapacityRoutingGraphs
+    from megatron_ext.moe.quantile_capacity import CapacityRouting
     from tests.moe.test_quantile_capacity import skewed_scores
 
-    monkeypatch.setattr(quantile_capacity, "ROUTING_KERNELS", routing_kernels)
-    graphs = CapacityRoutingGraphs()
+    graphed = CapacityRouting(8, 1.0, num_bins=256, device_rounds=2, host_reads=False, rounds=rounds,
+                              cuda_graph=True, device="cuda")
+    assert graphed.graphs is not None
     bias = torch.zeros(64, device="cuda")
     kept = []
     for seed in range(4):
         scores = skewed_scores(4096, 64, seed=seed, skew=0.5).cuda().requires_grad_()
         with torch.no_grad():
             bias.copy_(torch.randn(64, generator=torch.Generator().manual_seed(100 + seed)).cuda() * 0.05)
-        expected = capacity_routing(scores, 8, 1.0, bias=bias, num_bins=256, device_rounds=2, host_reads=False)
+        expected = capacity_routing(scores, 8, 1.0, bias=bias, num_bins=256, device_rounds=2, host_reads=False,
+                                    rounds=rounds)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error" if seed else "default")  # the capture itself synchronizes
         try:
-            got = graphs(scores, 8, 1.0, bias=bias, num_bins=256, device_rounds=2)
+            got = graphed(scores, bias)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
@@ -270,7 +273,7 @@ def test_cuda_graph_capacity_routing_equals_eager_and_sees_the_bias_in_place(rou
         got.gates.sum().backward()  # the gates stay differentiable outside the graph
         assert scores.grad is not None and torch.isfinite(scores.grad).all()
         kept.append((got.experts, expected.experts))
-    assert len(graphs._graphs) == 1  # one capture served every call
+    assert len(graphed.graphs._graphs) == 1  # one capture served every call
     for got_experts, expected_experts in kept:  # clones: later replays did not overwrite them
         assert torch.equal(got_experts, expected_experts)
 
@@ -282,15 +285,16 @@ def test_cuda_graph_routing_captures_again_after_the_previous_model_is_freed():
     left the RNG in capture mode for the next model)."""
     import gc
 
-    from megatron_ext.moe.routing_graph import CapacityRoutingGraphs
+    from megatron_ext.moe.quantile_capacity import CapacityRouting
     from tests.moe.test_quantile_capacity import skewed_scores
 
     for seed in range(3):  # each round: a new owner after the old one and its graphs are gone
-        graphs = CapacityRoutingGraphs()
+        graphed = CapacityRouting(8, 1.0, num_bins=256, device_rounds=2, host_reads=False, cuda_graph=True,
+                                  device="cuda")
         scores = skewed_scores(2048, 64, seed=seed, skew=0.5).cuda()
         expected = capacity_routing(scores, 8, 1.0, bias=None, num_bins=256, device_rounds=2, host_reads=False)
-        got = graphs(scores, 8, 1.0, bias=None, num_bins=256, device_rounds=2)
+        got = graphed(scores)
         assert torch.equal(got.experts, expected.experts) and torch.equal(got.gates, expected.gates), seed
-        del graphs, got
+        del graphed, got
         gc.collect()
     torch.randn(4, device="cuda")  # the generator is usable outside capture

@@ -123,13 +123,21 @@ def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(
     assert layout("ours_full_16k") == (None, False)
 
 
-def test_row_names_split_into_base_and_options():
-    from tools.bench_e2e import parse_args
-    from tools.e2e_rows import split_variant
+def test_row_names_split_into_base_and_options(monkeypatch):
+    """``+torch-rounds`` is the row's config (``moe_qb_rounds_impl``), no module constant."""
+    import torch.distributed as dist
 
-    name = "ours_full_16k+eager+no-attnres"
+    from tools.bench_e2e import parse_args
+    from tools.e2e_rows import SMOKE_SIZES, ours_config, qb_rounds_impl, split_variant
+
+    name = "ours_full_16k+eager+torch-rounds"
     assert parse_args(["--variants", name]).variants == [name]
-    assert split_variant(name) == ("ours_full_16k", {"eager", "no-attnres"})
+    assert split_variant(name) == ("ours_full_16k", {"eager", "torch-rounds"})
+    assert (qb_rounds_impl(name), qb_rounds_impl("ours_full_16k")) == ("torch", None)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
+    config = ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False, qb_rounds_impl=qb_rounds_impl(name))
+    assert config.moe_qb_rounds_impl == "torch"
+    assert ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False).moe_qb_rounds_impl == "auto"
 
 
 @pytest.mark.parametrize("name,message", [("ours_full+fast", "unknown option '\\+fast'"),
