@@ -21,7 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 
 from megatron_ext.errors import ConfigError  # noqa: F401  (re-exported for callers)
-from megatron_ext.moe.balancers import BALANCERS as MOE_BALANCERS
+from megatron_ext.moe.balancers import BALANCERS as MOE_BALANCERS, check_balancer_settings
 from megatron_ext.moe.quantile_capacity import DEVICE_ROUNDS, ROUNDS_IMPLS as MOE_QB_ROUNDS_IMPLS
 
 
@@ -171,6 +171,8 @@ class HybridConfig(TransformerConfig):
             raise ConfigError(f"normalization={self.normalization!r}: only 'RMSNorm' is supported")
         if self.moe_balancer not in MOE_BALANCERS:
             raise ConfigError(f"moe_balancer={self.moe_balancer!r}; allowed: {', '.join(MOE_BALANCERS)}")
+        if self.num_moe_experts:
+            check_balancer_settings(self)
         if self.num_moe_experts and self.moe_balancer == "aux_loss" and not self.moe_aux_loss_coeff > 0:
             raise ConfigError(f"moe_balancer='aux_loss' needs moe_aux_loss_coeff > 0 (e.g. 1e-2, Switch "
                               f"Transformer's), got {self.moe_aux_loss_coeff!r}")

@@ -253,10 +253,9 @@ BALANCERS = tuple(_PARTS)
 CAPACITY_BALANCERS = tuple(name for name, parts in _PARTS.items() if parts[0] is Capacity)
 
 
-def build_balancer(config, capacity_group: dist.ProcessGroup | None = None, device="cpu") -> Balancer:
-    """The balancer ``config.moe_balancer`` names (default ``"none"``), with its settings checked: a bad value
-    raises :class:`~megatron_ext.errors.ConfigError` naming the key. ``capacity_group`` and ``device`` (where the
-    router's scores live) are for the capacity routing."""
+def check_balancer_settings(config) -> None:
+    """The balancer settings of ``config``: a bad value raises :class:`~megatron_ext.errors.ConfigError` naming
+    the key (HybridConfig calls this at start, before any process group exists; build_balancer again)."""
     name = getattr(config, "moe_balancer", "none")
     if name not in _PARTS:
         raise ConfigError(f"moe_balancer={name!r}; allowed: {', '.join(BALANCERS)}")
@@ -273,17 +272,32 @@ def build_balancer(config, capacity_group: dist.ProcessGroup | None = None, devi
     if getattr(config, "moe_qb_cuda_graph", False) and getattr(config, "moe_qb_host_reads", True):
         raise ConfigError("moe_qb_cuda_graph=True needs moe_qb_host_reads=False (a CUDA graph cannot read the "
                           "device back to the host)")
+    if name in CAPACITY_BALANCERS:
+        capacity_factor = config.moe_expert_capacity_factor
+        if not (capacity_factor is not None and capacity_factor > 0):
+            raise ConfigError(f"moe_expert_capacity_factor must be > 0 when moe_balancer={name!r}, "
+                              f"got {capacity_factor!r} (e.g. 1.25)")
+        rounds = getattr(config, "moe_qb_rounds_impl", "auto")
+        if rounds not in ROUNDS_IMPLS:
+            raise ConfigError(f"moe_qb_rounds_impl={rounds!r}; allowed: {', '.join(ROUNDS_IMPLS)}")
+    elif config.moe_expert_capacity_factor is not None:
+        raise ConfigError(f"moe_expert_capacity_factor is only used by moe_balancer in {CAPACITY_BALANCERS}; "
+                          f"leave it None for {name!r}")
+
+
+def build_balancer(config, capacity_group: dist.ProcessGroup | None = None, device="cpu") -> Balancer:
+    """The balancer ``config.moe_balancer`` names (default ``"none"``), with its settings checked: a bad value
+    raises :class:`~megatron_ext.errors.ConfigError` naming the key. ``capacity_group`` and ``device`` (where the
+    router's scores live) are for the capacity routing."""
+    check_balancer_settings(config)
+    name = getattr(config, "moe_balancer", "none")
+    num_bins = getattr(config, "moe_qb_num_bins", 1000)
     routing_part, bias_part, loss_part = _PARTS[name]
     k, num_experts = config.moe_router_topk, config.num_moe_experts
     capacity_factor = config.moe_expert_capacity_factor
 
     if routing_part is Capacity:
-        if not (capacity_factor is not None and capacity_factor > 0):
-            raise ConfigError(f"moe_expert_capacity_factor must be > 0 when moe_balancer={name!r}, "
-                              f"got {capacity_factor!r}")
         rounds = getattr(config, "moe_qb_rounds_impl", "auto")
-        if rounds not in ROUNDS_IMPLS:
-            raise ConfigError(f"moe_qb_rounds_impl={rounds!r}; allowed: {', '.join(ROUNDS_IMPLS)}")
         capacity = CapacityRouting(
             k, capacity_factor, num_bins=num_bins, group=capacity_group,
             device_rounds=getattr(config, "moe_qb_device_rounds", None),  # None: capacity routing's default
@@ -291,9 +305,6 @@ def build_balancer(config, capacity_group: dist.ProcessGroup | None = None, devi
             cuda_graph=getattr(config, "moe_qb_cuda_graph", False), device=device)
         routing = Capacity(k, capacity)
     else:
-        if capacity_factor is not None:
-            raise ConfigError(f"moe_expert_capacity_factor is only used by moe_balancer in {CAPACITY_BALANCERS}; "
-                              f"leave it None for {name!r}")
         routing = TopK(k)
 
     bias = None

@@ -78,12 +78,17 @@ def test_unknown_values_raise_a_config_error_naming_the_key(overrides, match):
 @pytest.mark.parametrize("overrides, match", [
     (dict(moe_balancer="bogus"), r"^moe_balancer='bogus'; allowed: none, aux_loss"),
     (dict(moe_qb_rounds_impl="cuda"), r"^moe_qb_rounds_impl='cuda'; allowed: auto, torch, triton$"),
+    # at start, not when the first layer is built (launch/train.py checks the config before any process group)
+    (dict(moe_balancer="qb_both", moe_expert_capacity_factor=None),
+     r"^moe_expert_capacity_factor must be > 0 when moe_balancer='qb_both', got None"),
+    (dict(moe_balancer="qb_bias", moe_expert_capacity_factor=1.25),
+     r"^moe_expert_capacity_factor is only used by moe_balancer in"),
 ])
 def test_hybrid_config_names_the_key(overrides, match):
     from tests.parallel.harness import tiny_config
 
     with pytest.raises(ConfigError, match=match):
-        tiny_config({}, False, **overrides)
+        tiny_config({}, True, **overrides)
 
 
 @pytest.mark.parametrize("balancer", list(EXPECTED_PARTS))

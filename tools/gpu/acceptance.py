@@ -52,6 +52,8 @@ TMPFS, TMPFS_MIN_FREE_GB = Path("/dev/shm"), 60
 RESUME_ITERS, SAVE_INTERVAL, KILL_AFTER = 30, 10, 15
 BALANCERS = ("none", "aux_loss", "sign_bias", "qb_bias", "qb_capacity", "qb_both")
 BALANCER_ITERS, BALANCER_LOG_INTERVAL = 30, 5
+CAPACITY = ("--moe-expert-capacity-factor", "1.25")  # as issue 29 measured them
+BALANCER_FLAGS = {"aux_loss": ("--moe-aux-loss-coeff", "1e-2"), "qb_capacity": CAPACITY, "qb_both": CAPACITY}
 RUN_TO_RUN_SLACK = 4.0
 EP2_TOLERANCE = 2e-2  # relative: bf16 sums in another order over 10 steps
 COMMON = ["--lr-warmup-iters", "10", "--eval-iters", "0"]
@@ -221,8 +223,7 @@ def window_figures(recs: dict[int, dict]) -> dict:
 
 
 def step_balancer(balancer: str, job: Job) -> dict:
-    coeff = ["--moe-aux-loss-coeff", "1e-2"] if balancer == "aux_loss" else []
-    run = train(job, f"bal-{balancer}", "--moe-balancer", balancer, *coeff, "--train-iters", str(BALANCER_ITERS),
+    run = train(job, f"bal-{balancer}", "--moe-balancer", balancer, *BALANCER_FLAGS.get(balancer, ()), "--train-iters", str(BALANCER_ITERS),
                 "--log-interval", str(BALANCER_LOG_INTERVAL), "--save", "")
     ok = run["rc"] == 0 and len(run["records"]) == BALANCER_ITERS // BALANCER_LOG_INTERVAL and all(
         math.isfinite(r["lm_loss"]) for r in run["records"].values())
