@@ -33,7 +33,7 @@ ATTENTION_KINDS = {
 }
 KDA_GATES = ("lower_bound", "softplus")
 # (lo, hi), both open: any finite negative bound. Bounds >= -5 take the kernel's dense diagonal-tile path
-# (kernels.kda.dense_tiles_ok); below -5 its 16-token tiles would overflow fp32 there, so the kernel takes the
+# (kimi_kernels.kda.dense_tiles_ok); below -5 its 16-token tiles would overflow fp32 there, so the kernel takes the
 # per-position diagonal path instead (exact, slower: the softplus gate's path), decided once from the bound.
 KDA_GATE_LOWER_BOUND_RANGE = (float("-inf"), 0.0)
 POSITION_EMBEDDING_TYPES = ("none", "rope")
@@ -95,7 +95,7 @@ class HybridConfig(TransformerConfig):
     # True (with moe_qb_host_reads false): one-rank capacity routing on CUDA replayed from a CUDA graph per
     # router (~160 launches -> 1; megatron_ext/moe/quantile_capacity.py); the eager call elsewhere.
     moe_qb_cuda_graph: bool = False
-    # Capacity routing's rounds: "auto" = Triton kernels (kernels/moe_routing) on one CUDA rank, PyTorch ops on a
+    # Capacity routing's rounds: "auto" = Triton kernels (kimi_kernels/moe_routing) on one CUDA rank, PyTorch ops on a
     # capacity group and off CUDA; "torch" = always the PyTorch ops (same routing; for A/B runs and as a fallback);
     # "triton" = always the kernels (one capacity rank only).
     moe_qb_rounds_impl: str = "auto"
@@ -140,9 +140,9 @@ class HybridConfig(TransformerConfig):
     # megatron_ext.layers.norm.RMSNorm run separately.
     attn_res_fuse_norm: bool = True
     # With in-place source grads and the Triton kernels: the attention and MLP mixers of a layer
-    # share one backward pass over the blocks both read (kernels/attn_res/pair.py).
+    # share one backward pass over the blocks both read (kimi_kernels/attn_res/pair.py).
     attn_res_pair_backward: bool = True
-    # The LM loss through kernels.cross_entropy (megatron_ext/layers/lm_loss.py): the logits read once
+    # The LM loss through kimi_kernels.cross_entropy (megatron_ext/layers/lm_loss.py): the logits read once
     # forward and once backward, no fp32 copy of them. False: Megatron's vocab_parallel_cross_entropy.
     fused_cross_entropy: bool = True
 

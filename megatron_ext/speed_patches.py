@@ -11,7 +11,7 @@ a one-element tensor and nothing in the step reads the device). Same values (``t
 Megatron's own path; with Apex or Transformer Engine present it does nothing.
 
 :func:`use_fused_adamw_step` goes further for Megatron's mixed-precision (non-distributed) optimizer: its
-``step_with_ready_grads`` runs ``kernels.adamw`` (one pass per tensor: AdamW, the clip coefficient and the
+``step_with_ready_grads`` runs ``kimi_kernels.adamw`` (one pass per tensor: AdamW, the clip coefficient and the
 fp32-to-bf16 model copy; Megatron makes three; the small tensors one launch per list), and inside the scoped
 step Megatron's ``clip_grad_by_total_norm_fp32`` hands those optimizers' coefficient to that kernel instead of
 scaling the gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested). When DDP's
@@ -109,7 +109,7 @@ def _clip_into_fused_step(original):
 def use_fused_adamw_step(optimizer) -> int:
     """Put every ``Float16OptimizerWithFloat16Params`` (Megatron's mixed-precision, non-distributed optimizer)
     over a torch ``AdamW`` (no amsgrad/maximize) inside ``optimizer`` (chained or not) on the fused step of
-    ``kernels.adamw``; the others keep theirs. Must run before the first step; returns how many switched.
+    ``kimi_kernels.adamw``; the others keep theirs. Must run before the first step; returns how many switched.
     The optimizer state stays torch's (``step``, ``exp_avg``, ``exp_avg_sq`` per main param), so
     checkpoints are unchanged. Takes effect with :func:`scoped_fast_fallbacks` around ``step``."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
@@ -196,7 +196,7 @@ SMALL_TENSOR_NUMEL = 1 << 20
 def _fused_adamw_step(opt, model_of: dict) -> bool:
     """Megatron's ``step_with_ready_grads`` (inner step, then main -> model copy) as fused AdamW launches: one
     per large tensor, one per list of small ones."""
-    from kernels.adamw import adamw_multi_step_, adamw_step_
+    from kimi_kernels.adamw import adamw_multi_step_, adamw_step_
 
     inner = opt.optimizer
     for group in inner.param_groups:
@@ -273,7 +273,7 @@ def use_fresh_main_grads(ddp) -> bool:
 @torch.no_grad()
 def _first_grad_into_main_grad(param, grad):
     if param._main_grad_fresh:
-        from kernels.cast_copy import widening_copy_
+        from kimi_kernels.cast_copy import widening_copy_
 
         widening_copy_(param.main_grad, grad)
         param._main_grad_fresh, param._main_grad_copied = False, True

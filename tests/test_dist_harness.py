@@ -53,7 +53,7 @@ def test_triton_interpret_set_at_the_call_runs_the_kernels_in_the_ranks(monkeypa
 
 def _rms_norm_kernel_error(rank, world_size):
     """(the kernel's kind, whether the kernel ran on the CPU and matched the reference)."""
-    from kernels.rms_norm import fused, rms_norm, rms_norm_reference
+    from kimi_kernels.rms_norm import fused, rms_norm, rms_norm_reference
 
     kind = type(fused.rms_norm_fwd_kernel).__name__
     if kind != "InterpretedFunction":

@@ -12,7 +12,7 @@ Runs, in one process:
    AdamW state and activations) and its ``optimizer.step()`` time. GPU model: 8 layers, hidden
    2048, 16 heads (4 KV groups), SwiGLU FFN 5632, vocab 32000, seq 4096, micro-batch 2, bf16 (Megatron Float16Module + bf16 AdamW), full
    attention ("A"), dense MLP, no parallelism;
-2. the fused depth-attention kernel against its PyTorch reference (``kernels.attn_res``
+2. the fused depth-attention kernel against its PyTorch reference (``kimi_kernels.attn_res``
    ``impl="triton"`` vs ``impl="torch"``), forward + backward, n = 9 sources (the final mix of
    N = 8), T = 8192 tokens, h = 2048, bf16; median of CUDA-event times.
 
@@ -127,7 +127,7 @@ def time_interleaved(configs: dict, shape: dict, warmup: int, rounds: int, steps
 
 def time_depth_attention(shape: dict, hidden: int, dtype, steps: int, warmup: int, cuda: bool) -> dict:
     """Median forward+backward ms of depth_attention, impl='triton' vs impl='torch'."""
-    from kernels.attn_res import depth_attention
+    from kimi_kernels.attn_res import depth_attention
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     g = torch.Generator(device=device).manual_seed(1)

@@ -14,7 +14,7 @@ import time
 import torch
 import triton.testing
 
-from kernels.kda import chunk_kda, kda_gate_lower_bound, naive_chunk_kda
+from kimi_kernels.kda import chunk_kda, kda_gate_lower_bound, naive_chunk_kda
 
 SHAPES = [(4, 8192, 32, 128), (1, 8192, 64, 128), (2, 16384, 16, 128)]
 LOWER_BOUND = -5.0

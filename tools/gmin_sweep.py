@@ -73,7 +73,7 @@ def parse_setting(name: str) -> dict:
 
 
 def kernel_path(setting: dict) -> str:
-    from kernels.kda import DENSE_TILE_MIN_BOUND, dense_tiles_ok
+    from kimi_kernels.kda import DENSE_TILE_MIN_BOUND, dense_tiles_ok
 
     if setting["gate"] == "lower_bound":
         if dense_tiles_ok(setting["g_min"]):
@@ -109,7 +109,7 @@ def time_kernel(setting: dict, shape: dict, reps: int = 10) -> dict:
         return dict(skipped="no KDA layers")
     if not torch.cuda.is_available():
         return dict(skipped="CPU: the kernel is timed on CUDA only")
-    from kernels.kda import chunk_kda
+    from kimi_kernels.kda import chunk_kda
 
     B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
     gen = torch.Generator(device="cuda").manual_seed(0)

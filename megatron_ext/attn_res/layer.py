@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from kernels.attn_res import DepthPair, depth_attention, depth_attention_unchecked, resolve_impl
+from kimi_kernels.attn_res import DepthPair, depth_attention, depth_attention_unchecked, resolve_impl
 from megatron_ext.layers.norm import RMSNorm
 from megatron_ext.attn_res.state import DepthState, closes_block, sublayers_per_block
 
@@ -63,7 +63,7 @@ class DepthMixer(MegatronModule):
         return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
 
     def forward(self, sources: list[torch.Tensor], source_grads=None, norm=None, pair=None) -> torch.Tensor:
-        """``pair``: ``None`` or a role of a :class:`~kernels.attn_res.DepthPair` (the layer's two
+        """``pair``: ``None`` or a role of a :class:`~kimi_kernels.attn_res.DepthPair` (the layer's two
         mixers share one backward pass over their common blocks; Triton path only)."""
         fused = norm if self.fuse_norm and fusable_norm(norm) else None
         out = self._mix(sources, source_grads, fused, pair)
@@ -128,7 +128,7 @@ class AttnResTransformerLayer(TransformerLayer):
         **_unused,
     ) -> DepthState:
         # The two mixers read the same blocks: with in-place block grads, one backward pass over
-        # them for both (kernels/attn_res/pair.py; the MLP mixer's block grads are computed in
+        # them for both (kimi_kernels/attn_res/pair.py; the MLP mixer's block grads are computed in
         # the attention mixer's backward, which also returns the MLP mixer's query/norm grads).
         pair = None
         if self.pair_backward and state.block_grads is not None and torch.is_grad_enabled():

@@ -15,7 +15,7 @@ depth-attention op reads it in place).
 In-place source grads (``attn_res_inplace_source_grads``): every block (the embedding, each
 finished block sum, each block unpacked from a pipeline receive) is read by every later depth
 mix. It is wrapped once, where it enters the state, by ``track_source_grad``; its
-:class:`~kernels.attn_res.SourceGrad` rides along in ``block_grads`` and every mixer passes it
+:class:`~kimi_kernels.attn_res.SourceGrad` rides along in ``block_grads`` and every mixer passes it
 to ``depth_attention``, whose backwards add their contributions into one buffer. Blocks are
 tracked only while autograd records (not in a checkpoint's no-grad forward, nor in inference);
 the partial sum (read by one mix) is never tracked.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attn_res import SourceGrad, track_source_grad
+from kimi_kernels.attn_res import SourceGrad, track_source_grad
 
 
 def sublayers_per_block(config) -> int:

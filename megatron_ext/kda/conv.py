@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kernels.short_conv import causal_conv_silu, causal_conv_silu_reference
+from kimi_kernels.short_conv import causal_conv_silu, causal_conv_silu_reference
 from megatron_ext.kda.sharding import TPShardedModule, head_split_parameter, param_device
 
 
@@ -18,7 +18,7 @@ class CausalShortConv(TPShardedModule):
     sequence ``[s, b, C_local]`` and returns it batch-first, ``[b, s, C_local]``, the layout the
     kernel wants. Samples in the batch never see each other (the batch is the conv's batch dim).
 
-    CUDA inputs go through the fused Triton kernel (``kernels/short_conv``: the layout change fused in,
+    CUDA inputs go through the fused Triton kernel (``kimi_kernels/short_conv``: the layout change fused in,
     fp32 maths with the fp32 weight); CPU inputs through the PyTorch path (:meth:`reference`).
     """
 

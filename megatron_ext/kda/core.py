@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kda import chunk_kda, kda_gate_lower_bound, kda_gate_softplus, naive_chunk_kda
+from kimi_kernels.kda import chunk_kda, kda_gate_lower_bound, kda_gate_softplus, naive_chunk_kda
 
 
 def kda_gate(f, A_log, dt_bias, lower_bound: float | None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.utils import get_pg_size
 
-from kernels.rms_norm import rms_norm
+from kimi_kernels.rms_norm import rms_norm
 from megatron_ext.config import ConfigError
 from megatron_ext.kda.conv import CausalShortConv
 from megatron_ext.kda.core import kda_core
@@ -183,5 +183,5 @@ class KDAAttention(TPShardedModule):
             # Each TP rank normalises only its heads: the shared weight's gradient is a partial
             # sum over heads, summed here (identity forward, all-reduce backward), SP or not.
             weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)
-        # rms_norm(o) * sigmoid(gate) in one pass on CUDA (kernels/rms_norm); the reference on the CPU.
+        # rms_norm(o) * sigmoid(gate) in one pass on CUDA (kimi_kernels/rms_norm); the reference on the CPU.
         return rms_norm(o, weight, self.config.layernorm_epsilon, gate=gate)

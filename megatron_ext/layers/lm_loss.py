@@ -1,7 +1,7 @@
 """The LM loss of our models: Megatron's ``compute_language_model_loss`` through the fused cross-entropy.
 
 Megatron's stock loss (``tensor_parallel.vocab_parallel_cross_entropy``) copies the ``[s, b, V/tp]`` logits
-to fp32 and runs about ten elementwise and reduction kernels over them; ``kernels.cross_entropy`` reads
+to fp32 and runs about ten elementwise and reduction kernels over them; ``kimi_kernels.cross_entropy`` reads
 them once forward and once backward (docs/e2e.md). :class:`FusedLMLossMixin` swaps it in
 for ``config.fused_cross_entropy`` and keeps Megatron's contract: labels ``[b, s]`` in, loss ``[b, s]`` fp32
 out, computed in the logits' ``[s, b]`` order, the vocab split over ``pg_collection.tp``. With the field
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.utils import VocabUtility
 
-from kernels.cross_entropy import cross_entropy
+from kimi_kernels.cross_entropy import cross_entropy
 
 
 class FusedLMLossMixin:

@@ -6,7 +6,7 @@ normalises its own slice of the sequence, so the weight's gradient is a partial 
 weight ``sequence_parallel`` makes Megatron's DDP all-reduce it over the tensor-parallel group
 (``finalize_model_grads``), exactly as it does for Transformer Engine's norms.
 
-On CUDA the norm is the fused Triton kernel of ``kernels/rms_norm`` (one pass forward, one backward);
+On CUDA the norm is the fused Triton kernel of ``kimi_kernels/rms_norm`` (one pass forward, one backward);
 on the CPU the PyTorch reference of the same maths.
 """
 
@@ -16,7 +16,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kernels.rms_norm import rms_norm as _rms_norm
+from kimi_kernels.rms_norm import rms_norm as _rms_norm
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

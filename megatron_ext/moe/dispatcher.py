@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.moe_combine import moe_combine
+from kimi_kernels.moe_combine import moe_combine
 from megatron_ext.moe.experts import group_rank, group_size
 from megatron_ext.moe.quantile import Routing
 

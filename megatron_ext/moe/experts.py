@@ -6,7 +6,7 @@ sorted by local expert plus ``tokens_per_expert``. The GEMMs go through ``torch.
 where this torch supports the device/dtype/shape, else through a per-expert loop with the same
 math. Checkpoints hold the global ``[E, ...]`` tensors, sliced at the rank's EP offset.
 
-The gated SiLU (SwiGLU, the config's ``F.silu``) is ``kernels/swiglu``: one fused Triton pass each way
+The gated SiLU (SwiGLU, the config's ``F.silu``) is ``kimi_kernels/swiglu``: one fused Triton pass each way
 on CUDA, the fp32 PyTorch reference on the CPU; other activations run as plain ops.
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.swiglu import swiglu
+from kimi_kernels.swiglu import swiglu
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.transformer.module import MegatronModule
 from megatron_ext.moe.router import init_on_cpu, param_device

@@ -34,7 +34,7 @@ the host's launch rate rather than by these reads (docs/quantile_balancing.md, "
 
 Structure: :class:`CapacityRouting` holds one router's settings and runs the protocol of rounds and host reads
 (``_route``) over one of two kinds of rounds (``quantile_rounds``): ``TorchRounds`` (PyTorch ops, any group) or
-``KernelRounds`` (Triton kernels, ``kernels/moe_routing``, one rank). Which one is decided once, when the routing
+``KernelRounds`` (Triton kernels, ``kimi_kernels/moe_routing``, one rank). Which one is decided once, when the routing
 is built or moved to a device (:meth:`CapacityRouting.place`): ``rounds="auto"`` (``moe_qb_rounds_impl``) takes
 the Triton rounds on one CUDA rank and the PyTorch rounds elsewhere; ``"torch"`` / ``"triton"`` force a kind.
 Both give the same routing, up to the order among equal biased scores. With ``cuda_graph=True``
@@ -60,7 +60,7 @@ __all__ = ["expert_capacity", "capacity_routing", "CapacityRouting", "DEVICE_ROU
 # default): each costs ~40 small launches on [N, E] whether or not anything is left to move.
 DEVICE_ROUNDS = 2
 
-# Which rounds run (``moe_qb_rounds_impl``). "auto": the Triton rounds (kernels/moe_routing: two launches per
+# Which rounds run (``moe_qb_rounds_impl``). "auto": the Triton rounds (kimi_kernels/moe_routing: two launches per
 # round instead of ~40 PyTorch ops; 4.0x faster with reads at 65536 x 256 on the H200, docs/bench/routing-h200.json)
 # on one CUDA rank, with or without host reads; the PyTorch rounds on a group (the Triton admission has no
 # all-reduce between kernels) and off CUDA. "torch" / "triton": that kind wherever allowed ("triton" off CUDA

@@ -1,7 +1,7 @@
 """The rounds of capacity routing, two kinds behind one interface (``quantile_capacity.CapacityRouting`` runs the
 protocol of rounds and host reads over either): :class:`TorchRounds`, PyTorch ops on one rank or a group (round 1
 on the top-k columns, later rounds on dense ``[N, E]`` masks, :class:`_Overflow`), and :class:`KernelRounds`,
-Triton kernels on one CUDA rank (``kernels/moe_routing``). Also the capacity itself (:func:`expert_capacity`).
+Triton kernels on one CUDA rank (``kimi_kernels/moe_routing``). Also the capacity itself (:func:`expert_capacity`).
 
 The interface: ``first()`` runs round 1's proposals and global histogram (the kernels run the whole round);
 ``first_refused_and_proposed()``; ``admit_first()``; ``step()`` (one overflow round); device scalars
@@ -127,11 +127,11 @@ class TorchRounds:
 
 
 class KernelRounds:
-    """The rounds as Triton kernels on one CUDA rank (``kernels/moe_routing``): round 1 is a whole round (its
+    """The rounds as Triton kernels on one CUDA rank (``kimi_kernels/moe_routing``): round 1 is a whole round (its
     admission included), so the first read asks whether it refused anything."""
 
     def __init__(self, scores, k, capacity_factor, bias, num_bins, lo, hi, group, max_steps):
-        from kernels.moe_routing import kernel_rounds
+        from kimi_kernels.moe_routing import kernel_rounds
 
         if group is not None:
             raise ValueError("KernelRounds routes one rank; a capacity group needs TorchRounds (its admission "

@@ -93,7 +93,7 @@ RECOMPUTE_FIRST_LAYER = dict(recompute_granularity="full", recompute_method="blo
 def inplace_source_grads(num_blocks: int, **overrides):
     """Logits and grads with in-place source-grad sums off and on, and per tracked block the
     number of contributions added into its ``SourceGrad`` in the backward pass."""
-    from kernels.attn_res import SourceGrad
+    from kimi_kernels.attn_res import SourceGrad
     from megatron_ext.attn_res import state as state_module
 
     tokens, pos = _batch()
@@ -152,7 +152,7 @@ def pair_backward_on_off(num_blocks: int, **overrides):
     """Logits and grads with the layers' two mixers sharing one backward pass over their common
     blocks (``attn_res_pair_backward``) and without (random mixers and norm weights), and the
     number of pairs whose backward actually ran paired."""
-    from kernels.attn_res import pair as pair_module
+    from kimi_kernels.attn_res import pair as pair_module
 
     tokens, pos = _batch()
     results, paired = [], []

@@ -39,7 +39,7 @@ def test_bench_smoke_writes_json(tmp_path):
 
 
 def test_config_bench_smoke_alternates_builds_and_writes_json(tmp_path):
-    # tools/bench_attnres_config.py --smoke: configs/tiny.yaml (AttnRes on) against attn_res: false, two
+    # tools/dev/bench_attnres_config.py --smoke: configs/tiny.yaml (AttnRes on) against attn_res: false, two
     # rounds of fresh builds; the headline is the median of each model's runs.
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "attnres-config.json"

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels.attn_res import SourceGrad, depth_attention
+from kimi_kernels.attn_res import SourceGrad, depth_attention
 from megatron_ext.attn_res import DepthMixer, DepthState
 
 HIDDEN = 16

@@ -3,7 +3,7 @@
 Without fla and causal_conv1d installed, transformers runs its own PyTorch reference paths for the KDA
 chunked kernel and the short convolution (it says so in a log line); these are what we compare with.
 One known difference remains in the math: transformers (like fla) L2-normalises q and k as
-x / sqrt(|x|^2 + 1e-6), ours as x / max(|x|, 1e-12) (kernels/kda). ``l2norm=OURS_L2NORM`` swaps
+x / sqrt(|x|^2 + 1e-6), ours as x / max(|x|, 1e-12) (kimi_kernels/kda). ``l2norm=OURS_L2NORM`` swaps
 transformers' function for ours, clearly labelled, so a test can check every other piece tightly.
 """
 

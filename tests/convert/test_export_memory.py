@@ -5,7 +5,7 @@ hidden 1024 (1.87 GB, 256 MiB shards) 728 MiB (docs/convert.md)."""
 
 import pytest
 
-from tools.bench_export_memory import measure
+from tools.dev.bench_export_memory import measure
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.kda import chunk_kda, naive_recurrent_kda
+from kimi_kernels.kda import chunk_kda, naive_recurrent_kda
 from megatron_ext.config import ConfigError, HybridConfig
 from megatron_ext.kda import KDAAttention
 

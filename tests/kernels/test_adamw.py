@@ -6,8 +6,8 @@ reference vs ``torch.optim.AdamW``. A bf16 (or fp16) gradient must give exactly 
 import pytest
 import torch
 
-import kernels.adamw
-from kernels.adamw import adamw_multi_step_, adamw_step_, adamw_step_reference
+import kimi_kernels.adamw
+from kimi_kernels.adamw import adamw_multi_step_, adamw_step_, adamw_step_reference
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -127,18 +127,18 @@ def test_multi_step_plan_is_reused_while_the_tensors_stay():
     states = [make_state(n, seed=40 + i) for i, n in enumerate((5, 1500))]
     items = multi_items(states, torch.float32, torch.float16)
     mirror = multi_items(states, torch.float32, torch.float16)
-    kernels.adamw._plans.clear()
+    kimi_kernels.adamw._plans.clear()
     for scale in (1.0, 0.5):
         adamw_multi_step_(items, **HYPER, grad_scale=scale, use_kernel=True)
         for item in mirror:
             adamw_step_(*item, **HYPER, grad_scale=scale, use_kernel=True)
-    assert len(kernels.adamw._plans) == 1
+    assert len(kimi_kernels.adamw._plans) == 1
     for item, other in zip(items, mirror):
         assert torch.equal(item[0], other[0]) and torch.equal(item[5], other[5])
     moved = [tuple(t.clone() if t is not None else None for t in items[0])] + items[1:]
     adamw_multi_step_(moved, **HYPER, use_kernel=True)
     adamw_step_(*mirror[0], **HYPER, use_kernel=True)
-    assert len(kernels.adamw._plans) == 2
+    assert len(kimi_kernels.adamw._plans) == 2
     assert torch.equal(moved[0][0], mirror[0][0]) and not torch.equal(items[0][0], mirror[0][0])
 
 

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 @pytest.mark.parametrize("scale_in_memory", [False, True])  # a number, or the norm left on the device
 @pytest.mark.parametrize("grad", ["*fp32", "*bf16"])  # Megatron's fp32 main grads, or bf16 ones
 def test_kernel_compiles_for_hopper_without_spills(grad, scale_in_memory):
-    from kernels._compile_check import compile_for, resources
-    from kernels.adamw import fused
+    from kimi_kernels._compile_check import compile_for, resources
+    from kimi_kernels.adamw import fused
 
     kernel = fused.adamw_step_kernel
     constexprs = dict(HAS_MODEL=True, SCALE_IN_MEMORY=scale_in_memory, BLOCK=fused.BLOCK)
@@ -30,8 +30,8 @@ def test_multi_step_kernel_compiles_for_hopper_without_spills(grad, scale_in_mem
     """The one-launch-per-list kernel: pointers read from its table, the same update."""
     import triton.language as tl
 
-    from kernels._compile_check import compile_for, resources
-    from kernels.adamw import fused
+    from kimi_kernels._compile_check import compile_for, resources
+    from kimi_kernels.adamw import fused
 
     kernel = fused.adamw_multi_step_kernel
     constexprs = dict(GRAD_DTYPE=getattr(tl, grad), MODEL_DTYPE=tl.bfloat16, HAS_MODEL=True,

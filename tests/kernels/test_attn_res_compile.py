@@ -11,8 +11,8 @@ def test_kernels_compile_for_hopper_without_a_gpu(norm_out):
     # The interpreter accepts code the compiler may not; compile the forward for sm_90 (frontend to cubin with
     # triton's bundled ptxas) at its shipped launch (fused.FORWARD_LAUNCH), as the GPU run would, without and with
     # the consumer's RMSNorm fused in (NORM_OUT). The backward: test_preload_backward_compiles_*.
-    import kernels.attn_res.fused as fused
-    from kernels._compile_check import compile_for, resources
+    import kimi_kernels.attn_res.fused as fused
+    from kimi_kernels._compile_check import compile_for, resources
 
     for n, hidden in ((3, 48), (9, 2048)):  # (9, 2048): the benchmark's widest call
         signature = {
@@ -54,8 +54,8 @@ def _compile_preload(n, maxnreg=None, out_ptr="*bf16", **changes):
     """The backward compiled for sm_90 at h = 2048 with n sources, every source accumulated, the norm fused,
     unpaired, pointers aligned as the launcher specialises them, the shipped launch (``fused.BACKWARD_LAUNCH``)
     except for ``changes`` (constexprs): (compiled kernel, its resources, launch)."""
-    import kernels.attn_res.fused as fused
-    from kernels._compile_check import compile_for, resources
+    import kimi_kernels.attn_res.fused as fused
+    from kimi_kernels._compile_check import compile_for, resources
 
     cfg = fused.BACKWARD_LAUNCH.for_call(2048, n, changes.get("SUBSET", False), changes.get("HANDOFF", False))
     signature = {**_PRELOAD_SIGNATURE, "src_ptrs": ("*bf16",) * n, "grad_ptrs": ("*bf16",) * n, "out_ptr": out_ptr}
@@ -79,7 +79,7 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     # Spills: at most 64 bytes (n = 9 with the norm spills ~40 to L1 with Triton 3.8; without the reload ~840;
     # the widest pair 44 since its row sums are reduced four sources at a time, 120 one at a time,
     # docs/bench/history/attn_res-notes.md); more means the tile or the kept scalars grew.
-    import kernels.attn_res.fused as fused
+    import kimi_kernels.attn_res.fused as fused
 
     # a pair's second call (subset): its output saved in fp32, its mix gradient handed on, its own pass capped as
     # the launcher caps it
@@ -96,8 +96,8 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="needs the compiling JIT, not the interpreter")
 @pytest.mark.parametrize("parameter_grads", [False, True])
 def test_finish_kernel_compiles(parameter_grads):
-    import kernels.attn_res.fused as fused
-    from kernels._compile_check import compile_for, resources
+    import kimi_kernels.attn_res.fused as fused
+    from kimi_kernels._compile_check import compile_for, resources
 
     compiled = compile_for(fused._depth_attention_finish_kernel, {
         "partial_ptr": "*fp32", "out_ptr": "*fp32", "query_ptr": "*fp32", "norm_weight_ptr": "*bf16",

@@ -42,7 +42,7 @@ def _inputs(n, tokens, norm, dtype):
 
 def _forward(variant, rows_per_tile, sources, query, gamma, gamma_o):
     """(out, lse, normed, out_rstd) of one forward launch of ``variant``."""
-    import kernels.attn_res.fused as fused
+    import kimi_kernels.attn_res.fused as fused
 
     launch = dataclasses.replace(fused.FORWARD_LAUNCH, tile_elements=32 * rows_per_tile)  # BLOCK_H = 32
     if VARIANTS[variant] is not None:
@@ -52,7 +52,7 @@ def _forward(variant, rows_per_tile, sources, query, gamma, gamma_o):
 
 def _reference(sources, query, gamma, gamma_o):
     """(out, lse, normed, out_rstd) in fp32 by plain PyTorch."""
-    from kernels.attn_res import depth_attention_norm_reference, depth_attention_reference
+    from kimi_kernels.attn_res import depth_attention_norm_reference, depth_attention_reference
 
     stack = torch.stack(sources)
     v = stack.float()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.attn_res import depth_attention, depth_attention_reference
+from kimi_kernels.attn_res import depth_attention, depth_attention_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -85,7 +85,7 @@ def test_auto_picks_the_kernel_with_the_recompute_memory_of_the_reference():
 @pytest.mark.parametrize("n", [1, 3, 9])
 def test_bf16_fused_norm_matches_fp32_reference(n, hidden):
     # The consumer's RMSNorm fused in, with a bf16 norm weight (as under Float16Module).
-    from kernels.attn_res import depth_attention_norm_reference
+    from kimi_kernels.attn_res import depth_attention_norm_reference
 
     sources, query, norm_weight, grad = _inputs(n, 1000, hidden, seed=7 * n + hidden)
     gen = torch.Generator(device="cuda").manual_seed(n)
@@ -110,7 +110,7 @@ def _paired_layer_grads(num_blocks):
     """One layer as the model runs it (tracked blocks, an attention and an MLP mixer with the norm fused, a final
     mix read first in backward): a function (dtype, impl, paired) -> grads of the blocks, then of the three
     mixers' (query, norm weight, output norm weight)."""
-    from kernels.attn_res import DepthPair, track_source_grad
+    from kimi_kernels.attn_res import DepthPair, track_source_grad
 
     tokens, hidden = 1000, 2048
     gen = torch.Generator(device="cuda").manual_seed(num_blocks)
@@ -187,8 +187,8 @@ def test_bf16_forward_launch_choices_match_shipped_and_fp32_reference(n, norm):
     # like the shipped launch; unpacked rows (sources 2-byte aligned only) give the packed rows' numbers bit for bit.
     import dataclasses
 
-    import kernels.attn_res.fused as fused
-    from kernels.attn_res.naive import rms_norm_reference
+    import kimi_kernels.attn_res.fused as fused
+    from kimi_kernels.attn_res.naive import rms_norm_reference
 
     sources, query, norm_weight, _ = _inputs(n, 1001, 2048, seed=3 * n + norm)
     gamma_o = (1 + 0.3 * torch.randn(2048, device="cuda")).bfloat16() if norm else None

@@ -8,7 +8,7 @@ wrong); bf16 on the GPU lives in test_attn_res_gpu.py.
 import pytest
 import torch
 
-from kernels.attn_res import depth_attention, depth_attention_reference
+from kimi_kernels.attn_res import depth_attention, depth_attention_reference
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -123,7 +123,7 @@ def test_shipped_launch_per_width_matches_reference(n):
     # register cap by the call's width: a width on each of their steps (the backward's 1 / 2 / 4 sources per
     # reduction from n = 1 / 3 / 5, batches padded at n = 3, 5, 7, the forward's cap from n = 7) gives the
     # reference's output and grads. Several tokens per tile (h = 48 pads to 64), 37 tokens: a partial last tile.
-    import kernels.attn_res.fused as fused
+    import kimi_kernels.attn_res.fused as fused
 
     forward, backward = fused.FORWARD_LAUNCH.for_call(48, n), fused.BACKWARD_LAUNCH.for_call(48, n)
     assert forward.batch == 4 and backward.batch == (1 if n < 3 else 2 if n < 5 else 4)
@@ -142,7 +142,7 @@ def test_source_grads_summed_in_place_equal_autograd_sums(impl, fused_norm):
     # Sources read by several calls (as the embedding and block sums are), plus one ordinary
     # autograd consumer: tracked sources get the same grads as plain autograd gives, with and without
     # the sublayer norm fused into the mix (whose weight's grad must not change either).
-    from kernels.attn_res import track_source_grad
+    from kimi_kernels.attn_res import track_source_grad
 
     gen = torch.Generator().manual_seed(5)
     tokens, hidden = 21, 48

@@ -10,7 +10,7 @@ tokens (not a multiple of any tile). The cases run in a ``TRITON_INTERPRET=1`` s
 import pytest
 import torch
 
-from kernels.attn_res import depth_attention, depth_attention_norm_reference
+from kimi_kernels.attn_res import depth_attention, depth_attention_norm_reference
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -87,7 +87,7 @@ def test_fused_norm_shipped_launch_per_width(n):
 def test_fused_norm_fp16_close_to_unfused():
     # fp16 inputs: the fused op vs the unfused pair (mix kernel, then the separate norm) on
     # the same fp16 tensors; both round the mix to fp16 before the norm.
-    from kernels.attn_res.naive import rms_norm_reference
+    from kimi_kernels.attn_res.naive import rms_norm_reference
 
     sources, query, norm_weight, out_norm_weight, grad = _inputs(4, 37, 48, seed=2, dtype=torch.float16)
     fused = _forward_backward("triton", sources, query, norm_weight, out_norm_weight, grad)
@@ -145,7 +145,7 @@ def finish_kernel_parameter_grads(param_dtype, device="cpu"):
     """(kernel grads, torch products of the fp32 sums, the fp32 products) of one fused-norm call's
     parameters: the finish kernel's grad_query = g * gamma, grad_norm_weight = g * w, grad_out_norm = g_o
     against the torch ops they replaced; also checks that the source grads are the same either way."""
-    from kernels.attn_res import backward as launchers, fused
+    from kimi_kernels.attn_res import backward as launchers, fused
 
     sources, query, norm_weight, out_norm_weight, grad = (t.to(device) for t in _inputs(4, 37, 48, seed=5))
     query, norm_weight, out_norm_weight = (t.to(param_dtype) for t in (query, norm_weight, out_norm_weight))
@@ -191,8 +191,8 @@ def test_finish_kernel_sums_equal_an_fp64_sum(programs):
     # The [rows, programs, h] partial sums reduced over programs (the loop unrolled, one reduction at the end)
     # against an fp64 sum; programs not a multiple of the launch table's finish_block_p and h = 48 not a multiple
     # of its finish_block (both masks).
-    from kernels.attn_res import fused
-    from kernels.attn_res.preload_bwd import _depth_attention_finish_kernel
+    from kimi_kernels.attn_res import fused
+    from kimi_kernels.attn_res.preload_bwd import _depth_attention_finish_kernel
 
     rows, hidden = 3, 48
     partial = torch.randn(rows, programs, hidden, generator=torch.Generator().manual_seed(programs)) * 4

@@ -1,4 +1,4 @@
-"""Paired depth-attention backward (kernels/attn_res/pair.py) and the preload backward kernel, on
+"""Paired depth-attention backward (kimi_kernels/attn_res/pair.py) and the preload backward kernel, on
 the CPU interpreter (fp32): grads equal the unpaired kernels' and the ``torch`` path's.
 
 The cases run in a ``TRITON_INTERPRET=1`` subprocess started by ``test_cases_under_interpreter``.
@@ -7,7 +7,7 @@ The cases run in a ``TRITON_INTERPRET=1`` subprocess started by ``test_cases_und
 import pytest
 import torch
 
-from kernels.attn_res import DepthPair, depth_attention, track_source_grad
+from kimi_kernels.attn_res import DepthPair, depth_attention, track_source_grad
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -129,7 +129,7 @@ def test_deferred_grads_never_collected_raise(fused_norm):
 @pytest.mark.parametrize("hidden", [32, 80])
 def test_backward_kernel_matches_reference(hidden):
     # n in {1, 4, 9}, h a power of two or not.
-    from kernels.attn_res import depth_attention_reference
+    from kimi_kernels.attn_res import depth_attention_reference
 
     gen = torch.Generator().manual_seed(hidden)
     for n in (1, 4, 9):

@@ -59,7 +59,7 @@ def _forward(fused, sources, query, gamma, gamma_o):
 
 def _reference(sources, query, gamma, gamma_o, dy):
     """(source grads, query grad, gamma grad, gamma_o grad) by plain autograd (naive.py)."""
-    from kernels.attn_res import depth_attention_norm_reference, depth_attention_reference
+    from kimi_kernels.attn_res import depth_attention_norm_reference, depth_attention_reference
 
     params = (query, gamma) + ((gamma_o,) if gamma_o is not None else ())
     leaves = [torch.stack(sources).requires_grad_(True)] + [p.clone().requires_grad_(True) for p in params]
@@ -75,7 +75,7 @@ def _close(a, b, what):
 
 def _backward(fused, variant, *args, olds, accumulate, **kwargs):
     """Source grads (accumulated into copies of ``olds``) and sums of one backward launch of ``variant``."""
-    from kernels.attn_res.backward import fused_depth_attention_backward_sums as backward_sums
+    from kimi_kernels.attn_res.backward import fused_depth_attention_backward_sums as backward_sums
 
     grads = [o.clone() for o in olds]
     sums = backward_sums(*args, grads, accumulate, launch=_launch(fused, variant), **kwargs)
@@ -101,7 +101,7 @@ def _unpaired(fused, variant, n, tokens, norm, dtype=torch.float32, unaligned=Fa
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("norm", [False, True], ids=["mix", "mix+rmsnorm"])
 def test_variant_equals_default_and_reference(variant, norm):
-    import kernels.attn_res.fused as fused
+    import kimi_kernels.attn_res.fused as fused
 
     # one token per tile (BLOCK_H = 32); the interpreter runs two programs: 2 and 3 tiles each, and one tile
     for n, tokens in ((1, 3), (4, 1), (9, 5)):
@@ -125,7 +125,7 @@ def _paired(fused, variant, shared, tokens, norm, dtype=torch.float32, extra=0, 
     ``extra``: the first call has that many sources of its own after the shared ones (the model's pairs have
     none; the kernel takes them). Returns (grads, g, g_out_norm, g2, g_out_norm2) and the two calls' inputs, and
     the old grads."""
-    from kernels.attn_res import backward
+    from kimi_kernels.attn_res import backward
 
     gen = torch.Generator().manual_seed(100 * shared + 10 * tokens + norm + 1000 * extra)
     sources, query, gamma, gamma_o, dy = _call(gen, shared + extra, tokens, norm, dtype, unaligned)
@@ -154,7 +154,7 @@ def _paired(fused, variant, shared, tokens, norm, dtype=torch.float32, extra=0, 
 @pytest.mark.parametrize("variant", ["batch1", "batch2", "batch4"])
 def test_paired_variant_equals_default_and_reference(variant, norm=True):
     # pair.py pairs calls with the fused norm only (the second call's c then comes from its fp32 output)
-    import kernels.attn_res.fused as fused
+    import kimi_kernels.attn_res.fused as fused
 
     # (shared, the first call's own sources, tokens): batches of 2 / 4 sources padded, exact, and across
     # the shared sources' end
@@ -185,7 +185,7 @@ def test_paired_variant_equals_default_and_reference(variant, norm=True):
 def test_packed_rows_equal_unpacked_in_16_bit(dtype):
     # Rows loaded as int32 pairs and unpacked (bf16 by shifts, fp16 by bitcasts) give the unpacked loads' values
     # exactly, so the same grads bit for bit; with the fused norm, paired (the second output in fp32) or not.
-    import kernels.attn_res.fused as fused
+    import kimi_kernels.attn_res.fused as fused
 
     for n, tokens in ((2, 5), (9, 3)):
         (got, got_sums), *_ = _unpaired(fused, "shipped", n, tokens, True, dtype)
@@ -206,8 +206,8 @@ def test_handoff_is_the_rounded_mix_grad_and_its_own_softmax_sum(dtype):
     # the sources' dtype, and c = that rounded gradient . out. c must be the softmax backward's own sum over every
     # source of the call for that gradient, sum_i a_i (dout . v_i), or the shared sources' dlogits carry the
     # rounding (docs/attn_res.md, "Precision of c").
-    import kernels.attn_res.fused as fused
-    from kernels.attn_res.backward import fused_depth_attention_backward_sums as backward_sums
+    import kimi_kernels.attn_res.fused as fused
+    from kimi_kernels.attn_res.backward import fused_depth_attention_backward_sums as backward_sums
 
     gen = torch.Generator().manual_seed(5)
     sources, query, gamma, gamma_o, dy = _call(gen, 3, 7, True, dtype)
@@ -233,7 +233,7 @@ def test_handoff_is_the_rounded_mix_grad_and_its_own_softmax_sum(dtype):
 
 
 def test_rows_packed_only_where_even_and_aligned():
-    import kernels.attn_res.fused as fused
+    import kimi_kernels.attn_res.fused as fused
 
     rows = torch.zeros(3, 16, dtype=torch.bfloat16)
     assert fused._packable(16, [rows], rows.float(), None)

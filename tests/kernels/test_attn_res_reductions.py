@@ -1,4 +1,4 @@
-"""Several sources' row sums in one reduction (``kernels/attn_res/reductions.py``): ``stack_rows`` joins B tensors
+"""Several sources' row sums in one reduction (``kimi_kernels/attn_res/reductions.py``): ``stack_rows`` joins B tensors
 into one, ``unstack_sums`` splits its row sums back in the same order. A small kernel stacks B distinct random
 rows and their squares, reduces them together (``row_sums2``: ``tl.reduce`` over the stacked tensors on the GPU,
 one ``tl.sum`` each under the interpreter) and stores each source's two sums where that source's plain sums belong:
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attn_res.reductions import row_sums2, stack_rows, unstack_sums
+from kimi_kernels.attn_res.reductions import row_sums2, stack_rows, unstack_sums
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -82,7 +82,7 @@ def test_stacked_row_sums_equal_one_source_per_reduction_bit_for_bit_on_the_gpu(
 def test_per_width_settings_pick_the_entry_of_the_call_width():
     # fused.ByWidth: the launch tables' per-call choices (sources per reduction, a register cap) by the call's
     # source count: the value of the last step at or below it (the first step's below them all).
-    import kernels.attn_res.fused as fused
+    import kimi_kernels.attn_res.fused as fused
 
     table = fused.ByWidth(((1, 1), (3, 2), (5, 4)))
     assert [table(n) for n in range(1, 10)] == [1, 1, 2, 2, 4, 4, 4, 4, 4]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.attn_res import depth_attention, depth_attention_reference
-from kernels.attn_res.naive import depth_attention_recompute
+from kimi_kernels.attn_res import depth_attention, depth_attention_reference
+from kimi_kernels.attn_res.naive import depth_attention_recompute
 
 
 def _inputs(n, tokens, hidden, seed=0, dtype=torch.float32):

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from kernels.cast_copy import widening_copy_
+from kimi_kernels.cast_copy import widening_copy_
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)

@@ -5,8 +5,8 @@ tensor-parallel path: tests/kernels/test_cross_entropy_tp.py; the model's loss: 
 import pytest
 import torch
 
-from kernels.cross_entropy import cross_entropy, cross_entropy_reference
-from kernels.cross_entropy import naive
+from kimi_kernels.cross_entropy import cross_entropy, cross_entropy_reference
+from kimi_kernels.cross_entropy import naive
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -109,7 +109,7 @@ def test_kernel_partials_match_the_reference_split():
     """A vocab shard (columns [1000, 2000) of a vocab of 3000): targets in and out of the shard."""
     logits, target, _ = make_case((6,), 1000, torch.float32, seed=4)
     target = torch.tensor([0, 999, 1000, 1500, 1999, 2999])
-    from kernels.cross_entropy import fused
+    from kimi_kernels.cross_entropy import fused
 
     got, want = fused.cross_entropy_partials(logits, target, 1000), naive.cross_entropy_partials(logits, target, 1000)
     for a, b in zip(got, want):

@@ -1,6 +1,6 @@
 """The cross-entropy kernels compile for Hopper (sm_90) without a GPU and spill nothing at the model's vocab
 tile (4096 columns, 8 warps: V = 32768 / tp and anything above 4096) and at a narrow vocab (1000 -> 1024),
-bf16 logits (launch config of kernels/cross_entropy/fused.py)."""
+bf16 logits (launch config of kimi_kernels/cross_entropy/fused.py)."""
 
 import os
 
@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 @pytest.mark.parametrize("vocab", [32768, 1000])
 @pytest.mark.parametrize("name", ["ce_fwd_kernel", "ce_bwd_kernel"])
 def test_kernels_compile_for_hopper_without_spills(name, vocab):
-    from kernels._compile_check import compile_for, resources
-    from kernels.cross_entropy import fused
+    from kimi_kernels._compile_check import compile_for, resources
+    from kimi_kernels.cross_entropy import fused
 
     kernel = getattr(fused, name)
     config = fused.launch_config(vocab)

@@ -6,7 +6,7 @@ ranks are fresh processes, started after ``TRITON_INTERPRET=1`` is set)."""
 import pytest
 import torch
 
-from kernels.cross_entropy import cross_entropy_reference
+from kimi_kernels.cross_entropy import cross_entropy_reference
 from tests._dist import run_distributed
 
 ROWS, VOCAB = (5, 3), 2000  # 1000 columns per rank: one partial 1024-column tile
@@ -26,7 +26,7 @@ def _rank(rank, world_size, use_kernel):
     import torch.distributed as dist
     from megatron.core.tensor_parallel.utils import VocabUtility
 
-    from kernels.cross_entropy import cross_entropy
+    from kimi_kernels.cross_entropy import cross_entropy
 
     logits, target, cotangent = make_case()
     per_rank = VOCAB // world_size

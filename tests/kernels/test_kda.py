@@ -4,7 +4,7 @@ started by ``test_cases_under_interpreter`` (tests/kernels/interpreter.py); GPU:
 import pytest
 import torch
 
-from kernels.kda import (chunk_kda, kda_gate_lower_bound, kda_gate_softplus, naive_chunk_kda,
+from kimi_kernels.kda import (chunk_kda, kda_gate_lower_bound, kda_gate_softplus, naive_chunk_kda,
                          naive_recurrent_kda)
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
@@ -114,7 +114,7 @@ def test_state_walk_v_tiles_agree(block_v, monkeypatch):
     """Each V tile of the state walks (chunk.state_config picks one per shape) gives the widest tile's outputs,
     final states and gradients (dh0 included) and matches the reference: V = 48 (a partial last tile), varlen
     with a one-chunk sequence and a chunk boundary inside the last one."""
-    import kernels.kda.chunk as chunk
+    import kimi_kernels.kda.chunk as chunk
 
     x = make_inputs(1, 200, 2, 32, 48, N=3, seed=8)
     cu = torch.tensor([0, 130, 136, 200])
@@ -134,7 +134,7 @@ def test_state_walk_v_tiles_agree(block_v, monkeypatch):
 def test_state_config_takes_the_narrowest_tile_that_fits_one_wave(monkeypatch):
     """132 SMs (H200): 16 sequence-heads walk in 16-wide V tiles (128 programs), 32 in 32-wide ones, 128 in
     the widest (256 programs: none fits one wave)."""
-    import kernels.kda.chunk as chunk
+    import kimi_kernels.kda.chunk as chunk
 
     monkeypatch.setattr(chunk, "_sm_count", lambda device: 132)
     assert [chunk.state_config(seqs, heads, 128, "cuda")["BV"] for seqs, heads in ((1, 16), (2, 16), (4, 32))] \
@@ -179,7 +179,7 @@ def test_sequence_shorter_than_a_tile():
 def test_chunk_layout_is_built_once_per_sequence_bounds():
     """The chunk layout (host-built, copied to the device) is shared by calls with the same bounds, so a
     model's KDA layers do not rebuild it every call; other bounds get their own."""
-    from kernels.kda.chunk import chunk_meta
+    from kimi_kernels.kda.chunk import chunk_meta
 
     first = chunk_meta((0, 130, 260), torch.device("cpu"))
     assert chunk_meta((0, 130, 260), torch.device("cpu")) is first
@@ -198,7 +198,7 @@ def test_bad_lower_bound_raises(bound):
 
 def test_dense_tiles_are_chosen_from_the_bound():
     """g_min >= -5 keeps the dense diagonal tiles; below, the per-position path, and safe_gate=True is refused."""
-    from kernels.kda import dense_tiles_ok
+    from kimi_kernels.kda import dense_tiles_ok
 
     assert dense_tiles_ok(-5.0) and dense_tiles_ok(-0.5)
     assert not dense_tiles_ok(-5.01) and not dense_tiles_ok(-12.0) and not dense_tiles_ok(None)
@@ -267,7 +267,7 @@ def test_bf16_on_gpu_matches_fp32_reference(gate, head_dim):
 def test_bf16_walk_tiles_on_gpu_match_the_fp32_reference(block_v, monkeypatch):
     """Each V tile of the compiled state walks in bf16, D = 128, varlen: within bf16 error of the fp32 reference
     (the e2e layer at 16k walks in 16-wide tiles, at 4k in 32-wide ones, bench_kda's larger shapes in 64)."""
-    import kernels.kda.chunk as chunk
+    import kimi_kernels.kda.chunk as chunk
 
     # 12 sequence-heads walk V = 128 in 96 / 48 / 24 programs of width 16 / 32 / 64: the SM count that makes
     # state_config take each tile

@@ -33,13 +33,13 @@ def signature(kernel, constexprs):
 
 
 def kernel_cases():
-    from kernels.kda import chunk
-    from kernels.kda.gate import GATE_LOWER_BOUND, gate_cumsum_kernel
-    from kernels.kda.inter_bwd import inter_bwd_kernel
-    from kernels.kda.intra import intra_fwd_kernel
-    from kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
-    from kernels.kda.l2norm import l2norm_bwd_kernel
-    from kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel, walk_operands_kernel
+    from kimi_kernels.kda import chunk
+    from kimi_kernels.kda.gate import GATE_LOWER_BOUND, gate_cumsum_kernel
+    from kimi_kernels.kda.inter_bwd import inter_bwd_kernel
+    from kimi_kernels.kda.intra import intra_fwd_kernel
+    from kimi_kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
+    from kimi_kernels.kda.l2norm import l2norm_bwd_kernel
+    from kimi_kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel, walk_operands_kernel
 
     dims = dict(K=D, V=D, BK=D, DOT_BF16=True)
     narrow, middle, wide = chunk.STATE_CONFIGS
@@ -77,7 +77,7 @@ NAMES = ["gate_cumsum", "intra_fwd", "walk_operands", "state_fwd_bv16", "state_f
 
 @pytest.mark.parametrize("name", NAMES)
 def test_kda_kernel_compiles_for_hopper_without_spills(name):
-    from kernels._compile_check import compile_for, resources
+    from kimi_kernels._compile_check import compile_for, resources
 
     kernel, constexprs, config = kernel_cases()[name]
     constexprs = {**constexprs, **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}

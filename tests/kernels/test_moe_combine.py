@@ -4,7 +4,7 @@ started by ``test_cases_under_interpreter``; GPU: bf16)."""
 import pytest
 import torch
 
-from kernels.moe_combine import combine_reference, moe_combine
+from kimi_kernels.moe_combine import combine_reference, moe_combine
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)

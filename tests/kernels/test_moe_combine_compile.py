@@ -1,5 +1,5 @@
 """The MoE combine kernels compile for Hopper (sm_90) without a GPU and spill nothing (launch config of
-kernels/moe_combine/fused.py, bf16 rows, top-8)."""
+kimi_kernels/moe_combine/fused.py, bf16 rows, top-8)."""
 
 import os
 
@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 @pytest.mark.parametrize("name", ["combine_fwd_kernel", "combine_bwd_kernel"])
 def test_kernels_compile_for_hopper_without_spills(name):
     """bf16 rows, fp32 gates, int64 source, top-8: the launch config of fused.py."""
-    from kernels._compile_check import compile_for, resources
-    from kernels.moe_combine import fused
+    from kimi_kernels._compile_check import compile_for, resources
+    from kimi_kernels.moe_combine import fused
 
     kernel = getattr(fused, name)
     config = fused.FWD_CONFIG if name == "combine_fwd_kernel" else fused.BWD_CONFIG

@@ -6,7 +6,7 @@ benchmark's shapes."""
 import pytest
 import torch
 
-from kernels.moe_routing import capacity_rounds, capacity_rounds_reference
+from kimi_kernels.moe_routing import capacity_rounds, capacity_rounds_reference
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -65,7 +65,7 @@ def test_admission_carries_its_place_across_token_blocks(monkeypatch):
     """Boundary-bin proposals of one expert spread over several admission blocks (ADMIT_TOKENS cut to 32):
     the count carried between blocks decides who gets the last slots. Two bins, so most proposals share the
     boundary bin; no bias."""
-    from kernels.moe_routing import fused
+    from kimi_kernels.moe_routing import fused
 
     monkeypatch.setattr(fused, "ADMIT_TOKENS", 32)
     scores, _ = make_scores(150, 8, 1.0, seed=3, bias=False)

@@ -19,8 +19,8 @@ KINDS = dict(scores="*fp32", preference="*i32", held="*i8", room="*i32", proposa
 def test_kernels_compile_for_hopper_without_spills(name, num_experts):
     import triton
 
-    from kernels._compile_check import compile_for, resources
-    from kernels.moe_routing import fused
+    from kimi_kernels._compile_check import compile_for, resources
+    from kimi_kernels.moe_routing import fused
 
     kernel = getattr(fused, name)
     every = dict(E=num_experts, EP=triton.next_power_of_2(num_experts), K=8, NUM_BINS=1000, BINS_P=1024,

@@ -4,7 +4,7 @@ fp32/fp16, in a subprocess started by ``test_cases_under_interpreter``; GPU: bf1
 import pytest
 import torch
 
-from kernels.rms_norm import gated_rms_norm_reference, rms_norm, rms_norm_reference
+from kimi_kernels.rms_norm import gated_rms_norm_reference, rms_norm, rms_norm_reference
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)

@@ -1,6 +1,6 @@
 """The RMSNorm kernels compile for Hopper (sm_90) without a GPU and spill nothing at the model's row widths
 (h = 2048: the hidden norms; h = 128: the KDA head norm), with and without the gate (launch config of
-kernels/rms_norm/fused.py, bf16 activations, fp32 weight)."""
+kimi_kernels/rms_norm/fused.py, bf16 activations, fp32 weight)."""
 
 import os
 
@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 @pytest.mark.parametrize("hidden", [2048, 128])
 @pytest.mark.parametrize("name", ["rms_norm_fwd_kernel", "rms_norm_bwd_kernel"])
 def test_kernels_compile_for_hopper_without_spills(name, hidden, gated):
-    from kernels._compile_check import compile_for, resources
-    from kernels.rms_norm import fused
+    from kimi_kernels._compile_check import compile_for, resources
+    from kimi_kernels.rms_norm import fused
 
     kernel = getattr(fused, name)
     config = fused.launch_config(hidden, backward=name == "rms_norm_bwd_kernel")

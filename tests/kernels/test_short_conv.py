@@ -4,7 +4,7 @@ in a subprocess started by ``test_cases_under_interpreter``; GPU: bf16 against t
 import pytest
 import torch
 
-from kernels.short_conv import causal_conv_silu, causal_conv_silu_reference
+from kimi_kernels.short_conv import causal_conv_silu, causal_conv_silu_reference
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -81,7 +81,7 @@ BWD_CHUNK_CASES = [
 def test_backward_chunks_match_reference(seq, batch, channels, kernel_size, chunks):
     """conv_bwd at any chunk length T: the chunk boundaries (halo rows, g from the next chunk, the walk
     past the chunk and past the sequence) leave dx and dweight as the reference's."""
-    from kernels.short_conv.fused import conv_bwd
+    from kimi_kernels.short_conv.fused import conv_bwd
 
     x, weight, cotangent = make_case(seq, batch, channels, kernel_size, torch.float32, seed=seq + kernel_size)
     ref_dx, ref_dw = reference_grads(x, weight, cotangent)

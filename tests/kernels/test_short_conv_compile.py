@@ -1,5 +1,5 @@
 """The short-conv kernels compile for Hopper (sm_90) without a GPU and spill nothing (launch config of
-kernels/short_conv/fused.py, bf16 activations, fp32 weight), up to the largest kernel size accepted, both
+kimi_kernels/short_conv/fused.py, bf16 activations, fp32 weight), up to the largest kernel size accepted, both
 with C a multiple of 16 and 16-byte aligned tensors (vectorized loads, as the launcher specializes them)
 and without (one address per element)."""
 
@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def compile_short_conv(name, kernel_size, aligned):
-    from kernels._compile_check import compile_for, resources
-    from kernels.short_conv import fused
+    from kimi_kernels._compile_check import compile_for, resources
+    from kimi_kernels.short_conv import fused
 
     kernel = getattr(fused, name)
     config = dict(fused.FWD_CONFIG if name == "conv_fwd_kernel" else fused.bwd_config(kernel_size))
@@ -29,7 +29,7 @@ def compile_short_conv(name, kernel_size, aligned):
 @pytest.mark.parametrize("kernel_size", [4, 8])
 @pytest.mark.parametrize("name", ["conv_fwd_kernel", "conv_bwd_kernel"])
 def test_kernels_compile_for_hopper_without_spills(name, kernel_size, aligned):
-    from kernels.short_conv import MAX_KERNEL_SIZE
+    from kimi_kernels.short_conv import MAX_KERNEL_SIZE
 
     assert kernel_size <= MAX_KERNEL_SIZE
     used = compile_short_conv(name, kernel_size, aligned)

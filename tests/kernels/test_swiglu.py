@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.swiglu import swiglu, swiglu_reference
+from kimi_kernels.swiglu import swiglu, swiglu_reference
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)

@@ -1,5 +1,5 @@
 """The SwiGLU kernels compile for Hopper (sm_90) without a GPU and spill nothing at the model's f = 1024 and
-at a narrow f = 96 (launch config of kernels/swiglu/fused.py, bf16 h), both with f a multiple of 16 and
+at a narrow f = 96 (launch config of kimi_kernels/swiglu/fused.py, bf16 h), both with f a multiple of 16 and
 16-byte aligned tensors (vectorized loads, as the launcher specializes them: one 16-byte access per thread
 and tensor half) and without (one address per element)."""
 
@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 
 
 def compile_swiglu(name, f, aligned):
-    from kernels._compile_check import compile_for
-    from kernels.swiglu import fused
+    from kimi_kernels._compile_check import compile_for
+    from kimi_kernels.swiglu import fused
 
     kernel = getattr(fused, name)
     config = fused.launch_config(f, backward=name == "swiglu_bwd_kernel")
@@ -28,7 +28,7 @@ def compile_swiglu(name, f, aligned):
 @pytest.mark.parametrize("f", [1024, 96])
 @pytest.mark.parametrize("name", ["swiglu_fwd_kernel", "swiglu_bwd_kernel"])
 def test_kernels_compile_for_hopper_without_spills(name, f, aligned):
-    from kernels._compile_check import resources
+    from kimi_kernels._compile_check import resources
 
     used = resources(compile_swiglu(name, f, aligned))
     assert used.spill_stores == 0 and used.spill_loads == 0, used

@@ -1,4 +1,4 @@
-"""use_fused_adamw_step: Megatron's mixed-precision optimizer stepping with kernels.adamw (AdamW + the clip
+"""use_fused_adamw_step: Megatron's mixed-precision optimizer stepping with kimi_kernels.adamw (AdamW + the clip
 coefficient + the bf16 model copy in one pass) gives the update of Megatron's own three-pass step; with bf16
 main grads (read in place, no fp32 copy) the same update and grad norm as fp32 main grads of the same values."""
 

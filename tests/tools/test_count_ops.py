@@ -1,4 +1,4 @@
-"""tools/count_ops.py: one ours_full step on the CPU is counted and attributed to known sources."""
+"""tools/dev/count_ops.py: one ours_full step on the CPU is counted and attributed to known sources."""
 
 import json
 import os

@@ -8,7 +8,7 @@
 #   bash tools/gpu/session.sh install
 #   CUDA_VISIBLE_DEVICES=0 OUT=$OUT/g0 bash tools/gpu/session.sh tests,e2e &
 #   CUDA_VISIBLE_DEVICES=1 OUT=$OUT/g1 bash tools/gpu/session.sh kda; wait
-# A/B of branches in the same call: tools/gpu/stage_branches.sh here (carry ".ab"), tools/gpu/ab.sh there.
+# A/B of branches in the same call: tools/dev/stage_branches.sh here (carry ".ab"), tools/dev/ab.sh there.
 # At most 8 files come back from $OUT: point each step at its own file and concatenate the logs.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -39,11 +39,11 @@ step train ${TRAIN_LIMIT:-200} python3 -m pytest -q -s -m gpu -p no:cacheprovide
 step attnres ${ATTNRES_LIMIT:-150} python3 tools/bench_attnres.py --out "$OUT/attnres-h200.json"
 # AttnRes with and without the paired backward (attn_res_pair_backward) as more models of the same interleaved rounds
 step attnres-ab ${ATTNRES_LIMIT:-240} python3 tools/bench_attnres.py --ab-pair --out "$OUT/attnres-ab-h200.json"
-step attnres-config ${ATTNRES_CONFIG_LIMIT:-420} python3 tools/bench_attnres_config.py --out "$OUT/attnres-config-h200.json"
+step attnres-config ${ATTNRES_CONFIG_LIMIT:-420} python3 tools/dev/bench_attnres_config.py --out "$OUT/attnres-config-h200.json"
 step moe ${MOE_LIMIT:-60} python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
 step moe2 ${MOE_LIMIT:-60} torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
-step routing 45 python3 tools/bench_routing.py --out "$OUT/routing-h200.json"
-step rmsnorm 60 python3 tools/bench_rms_norm.py --out "$OUT/rms-norm-h200.json"
+step routing 45 python3 tools/dev/bench_routing.py --out "$OUT/routing-h200.json"
+step rmsnorm 60 python3 tools/dev/bench_rms_norm.py --out "$OUT/rms-norm-h200.json"
 # fla autotunes for minutes per shape (238 s at B4 T8192 H32). Its choices are Triton cache_results files: set
 # TRITON_CACHE_DIR to a carried folder (e.g. .ab/tcache) and pack its *.autotune.json into $OUT to reuse them
 # in a later call (they hold configs, not timings; see docs/benchmarks.md, KDA kernels).

@@ -1,0 +1,249 @@
+"""Chunked KDA: launches of the Triton kernels and the autograd.Function that ties them together.
+
+Every input is handled in packed form [T_total, H, D]: a batch [B, T] becomes B sequences of length T
+(cu_seqlens = 0, T, 2T, ...), so varlen and batched inputs share one code path. Chunks (64 tokens)
+restart at every sequence start; the host computes each chunk's first token and length once.
+"""
+
+import functools
+from types import MappingProxyType
+
+import torch
+import triton
+
+from kimi_kernels.kda.gate import GATE_GIVEN, gate_cumsum_kernel
+from kimi_kernels.kda.inter_bwd import inter_bwd_kernel
+from kimi_kernels.kda.intra import intra_fwd_kernel
+from kimi_kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
+from kimi_kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
+from kimi_kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel, walk_operands_kernel
+
+CHUNK = 64
+
+
+def _launch(**choices) -> MappingProxyType:
+    """One kernel's launch table (tile constexprs, num_warps, num_stages): read-only, fixed at import."""
+    return MappingProxyType(choices)
+
+
+# Launch tables (V tile BV, num_warps, num_stages), fixed here. 4 warps everywhere but the output kernel: a
+# one-knob sweep on the H200 (docs/bench/kda-sweep-h200.json, B4 T8192 H32 D128) measured each 4-warp table
+# faster than the 8-warp one it replaced although ptxas reports spills for intra_fwd and the state walks at 4 warps
+# (tests/kernels/test_kda_compile.py holds those spills to the measured tables).
+INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4)
+# The state walks: one program per (V tile, sequence, head), each walks its sequence's chunks in order, one
+# chunk step after another (latency-bound). The narrowest tile that still fits the programs in one wave on the
+# SMs, else the widest (state_config): more walkers win until they no longer run at once (H200, per shape:
+# docs/bench/kda-sweep-walk-h200.json, docs/bench/kda-sweep-16k-state-h200.json).
+STATE_CONFIGS = (_launch(BV=16, num_warps=4), _launch(BV=32, num_warps=4), _launch(BV=64, num_warps=4))
+WALK_OPERANDS_CONFIG = _launch(num_warps=8)  # 4 warps spill (ptxas, sm_90)
+OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
+# gate cumsum + L2 norm of q and k: one tensor per program in 16-row blocks; 64 registers at 4 warps, so ~8
+# programs share an SM (memory bound: what matters is how many loads are in flight)
+GATE_CONFIG = _launch(RB=16, num_warps=4)
+DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=3)
+INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
+DQK_CONFIG = _launch(num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
+GATE_BWD_CONFIG = _launch(num_warps=4)
+BKT = 32  # K tile of the dq/dk/dg kernels (never 16: see _block_k)
+KS = 64  # K slice of the decayed products in intra_fwd_kernel
+L2_ROWS = 32  # rows per program of the L2-norm backward
+
+
+class ChunkMeta:
+    """Chunk layout of packed sequences: first token and length per chunk, first chunk per sequence."""
+
+    def __init__(self, cu_seqlens: list[int], device):
+        starts, lens, seq_chunks = [], [], [0]
+        for bos, eos in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            for t0 in range(bos, eos, CHUNK):
+                starts.append(t0)
+                lens.append(min(CHUNK, eos - t0))
+            seq_chunks.append(len(starts))
+        self.chunk_start, self.chunk_len, self.seq_chunks = (_to_device(x, device) for x in (starts, lens, seq_chunks))
+        self.seq_chunks_host = tuple(seq_chunks)
+        self.num_chunks, self.num_seqs = len(starts), len(cu_seqlens) - 1
+
+
+@functools.lru_cache(maxsize=32)
+def chunk_meta(cu_seqlens: tuple[int, ...], device) -> ChunkMeta:
+    """:class:`ChunkMeta`, shared by the calls with the same sequence bounds (read-only tensors): a model's
+    KDA layers and steps with fixed-length batches build it once instead of once per layer call (three
+    host-to-device copies and a pinned allocation each, on a host-bound step)."""
+    return ChunkMeta(list(cu_seqlens), device)
+
+
+def _to_device(values: list[int], device) -> torch.Tensor:
+    """int32 tensor on ``device``. To a GPU through pinned memory without blocking: a copy from pageable
+    memory waits for the stream, and every KDA layer's forward builds these (18 host syncs per step in a
+    6-KDA-layer model, measured with ``torch.cuda.set_sync_debug_mode``)."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def state_config(num_seqs: int, H: int, V: int, device) -> MappingProxyType:
+    """The narrowest V tile (most walkers) whose programs all run at once on the SMs, else the widest."""
+    sms = _sm_count(device)
+    for config in STATE_CONFIGS:
+        if num_seqs * H * triton.cdiv(V, config["BV"]) <= sms:
+            return config
+    return STATE_CONFIGS[-1]
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device) -> int:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: any config is correct, take the wide one
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _block_k(K):
+    # At least 32: Triton 3.6 miscompiles the K-tiled backward dots at 16 on sm_90 (out-of-bounds shared
+    # reads, found with compute-sanitizer); head dims below 32 run masked in a 32-wide tile.
+    return max(32, triton.next_power_of_2(K))
+
+
+def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm):
+    """Chunk-local cumsum of the (optionally activated) gate, fp32 [T, H, K], and q, k (L2-normalised when
+    l2norm: fused into the same kernel)."""
+    T, H, K = f.shape
+    G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
+    qn, kn = (torch.empty_like(q), torch.empty_like(k)) if l2norm else (q, k)
+    gate_cumsum_kernel[(meta.num_chunks, H, 3 if l2norm else 1)](
+        f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn,
+        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, H=H, K=K, BK=_block_k(K), GATE=gate,
+        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm, **GATE_CONFIG)
+    return G, qn, kn
+
+
+def l2norm_bwd(x, dxn):
+    """Gradient w.r.t. x of x / max(|x|, eps) per row, in x's dtype."""
+    rows, K = x.numel() // x.shape[-1], x.shape[-1]
+    dx = torch.empty_like(x)
+    l2norm_bwd_kernel[(triton.cdiv(rows, L2_ROWS),)](x, dxn, dx, rows, L2_EPS, K=K, BK=_block_k(K), BR=L2_ROWS)
+    return dx
+
+
+def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
+    """Returns o, final state (or None) and the tensors the backward reuses."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    dev, dt = q.device, q.dtype
+    opts = dict(H=H, K=K, V=V, BK=_block_k(K), DOT_BF16=dt == torch.bfloat16)
+    Mqk = torch.empty(T, H, CHUNK, dtype=dt, device=dev)
+    Ainv = torch.empty(T, H, CHUNK, dtype=torch.float32, device=dev)
+    W = torch.empty(T, H, K, dtype=dt, device=dev)
+    U0 = torch.empty(T, H, V, dtype=dt, device=dev)
+    KGL = torch.empty_like(k)  # the walk's k exp(G_last - G), in the dot dtype
+    intra_fwd_kernel[(meta.num_chunks, H)](q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, meta.chunk_start,
+                                           meta.chunk_len, scale, SAFE_GATE=safe_gate,
+                                           KS=min(KS, opts["BK"]), **opts, **INTRA_FWD_CONFIG)
+    hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
+    U = torch.empty_like(U0)
+    ht = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    state_cfg = state_config(meta.num_seqs, H, V, dev)
+    state_fwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
+        KGL, W, U0, G, h0 if h0 is not None else k, hbuf, U, ht if ht is not None else k, meta.seq_chunks,
+        meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts, **state_cfg)
+    o = torch.empty_like(v)
+    output_kernel[(triton.cdiv(V, OUTPUT_CONFIG["BV"]), meta.num_chunks, H)](
+        q, G, hbuf, Mqk, U, o, meta.chunk_start, meta.chunk_len, scale, **opts, **OUTPUT_CONFIG)
+    return o, ht, (Mqk, Ainv, W, U, hbuf)
+
+
+def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lower_bound, gate, safe_gate, meta,
+            dqk_dtype):
+    """Gradients of kda_fwd; dg is w.r.t. the raw gate input when gate != GATE_GIVEN (in f's dtype, like dv in
+    v's). dq and dk come out in dqk_dtype (fp32 when an L2-norm backward follows)."""
+    Mqk, Ainv, W, U, hbuf = saved
+    T, H, K = q.shape
+    V = v.shape[-1]
+    dev = q.device
+    opts = dict(H=H, K=K, V=V, BK=_block_k(K), DOT_BF16=q.dtype == torch.bfloat16)
+    # the walk's state-independent operands, recomputed rather than kept from the forward (2 T H K elements)
+    KGL, QG = torch.empty_like(k), torch.empty_like(q)
+    walk_operands_kernel[(meta.num_chunks, H)](q, k, G, QG, KGL, meta.chunk_start, meta.chunk_len, scale, H, K=K,
+                                               BK=opts["BK"], **WALK_OPERANDS_CONFIG)
+    dhbuf = torch.empty_like(hbuf)
+    dU = torch.empty_like(U)
+    dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
+    state_cfg = state_config(meta.num_seqs, H, V, dev)
+    state_bwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
+        QG, KGL, W, G, Mqk, do, dht if dht is not None else q, dhbuf, dU, dh0 if dh0 is not None else q,
+        meta.seq_chunks, meta.chunk_start, meta.chunk_len, HAS_DHT=dht is not None, HAS_H0=dh0 is not None, **opts,
+        **state_cfg)
+    f32 = dict(dtype=torch.float32, device=dev)
+    block_kt = min(BKT, opts["BK"])
+    num_kt = triton.cdiv(K, block_kt)
+    # dMqk, dL: rounded once to the dot operand type (bf16 for bf16 inputs), read by every K tile
+    scratch = torch.empty(2, T, H, CHUNK, dtype=torch.bfloat16 if opts["DOT_BF16"] else torch.float32, device=dev)
+    dv = torch.empty(T, H, V, dtype=v.dtype, device=dev)
+    inter_bk = min(INTER_BWD_CONFIG["BK"], opts["BK"])
+    num_inter = triton.cdiv(K, inter_bk)
+    # dbeta partial sums: [0] through v; [1 + j] intra-chunk terms of K tile j; then the state terms per K tile
+    dbeta_parts = torch.empty(1 + num_kt + num_inter, T, H, **f32)
+    intra_bwd_dv_kernel[(meta.num_chunks, H)](
+        v, beta, U, dU, do, Ainv, scratch[0], scratch[1], dv, dbeta_parts, meta.chunk_start, meta.chunk_len, scale,
+        H=H, V=V, DOT_BF16=opts["DOT_BF16"], **DV_CONFIG)
+    dq = torch.empty(T, H, K, dtype=dqk_dtype, device=dev)
+    dk = torch.empty(T, H, K, dtype=dqk_dtype, device=dev)
+    dg = torch.empty(T, H, K, dtype=f.dtype, device=dev)
+    has_a = gate != GATE_GIVEN and A_log is not None
+    has_bias = gate != GATE_GIVEN and dt_bias is not None
+    dA_parts = torch.empty(meta.num_chunks, H, num_kt, **f32) if has_a else dg
+    ddt_parts = torch.empty(meta.num_chunks, H, K, **f32) if has_bias else dg
+    d_G = torch.empty(T, H, K, **f32)  # per-token dG before the reverse cumsum
+    dlast = torch.empty(meta.num_chunks, H, K, **f32)  # the chunk's last row's share of dG (through Gl)
+    # the state terms of dq, dk, dG as fp32 partials; dq, dk themselves when they are fp32 (completed in place)
+    pq = dq if dq.dtype == torch.float32 else torch.empty(T, H, K, **f32)
+    pk = dk if dk.dtype == torch.float32 else torch.empty(T, H, K, **f32)
+    inter_launch = {key: value for key, value in INTER_BWD_CONFIG.items() if key != "BK"}
+    inter_bwd_kernel[(num_inter, meta.num_chunks, H)](
+        q, k, beta, G, hbuf, dhbuf, U, dU, do, Ainv, pq, pk, d_G, dlast, dbeta_parts, meta.chunk_start,
+        meta.chunk_len, scale, H, T * H, 1 + num_kt, K=K, V=V, BK=inter_bk, DOT_BF16=opts["DOT_BF16"], **inter_launch)
+    intra_bwd_dqk_kernel[(num_kt * 4, meta.num_chunks, H)](
+        q, k, beta, G, scratch[0], scratch[1], pq, pk, d_G, dq, dk, d_G, dbeta_parts, meta.chunk_start,
+        meta.chunk_len, scale, H, T * H, K=K, BKT=block_kt, SAFE_GATE=safe_gate, DOT_BF16=opts["DOT_BF16"],
+        **DQK_CONFIG)
+    gate_bwd_kernel[(num_kt, meta.num_chunks, H)](
+        d_G, dlast, f, A_log if has_a else f, dt_bias if has_bias else f, dg, dA_parts, ddt_parts,
+        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), H, K=K, BKT=block_kt, GATE=gate, HAS_A=has_a,
+        HAS_BIAS=has_bias, **GATE_BWD_CONFIG)
+    dbeta = dbeta_parts.sum(0).to(beta.dtype)
+    dA_log = dA_parts.sum((0, 2)) if has_a else None
+    ddt_bias = ddt_parts.sum(0).reshape(H * K) if has_bias else None
+    return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                use_qk_l2norm, gate, lower_bound, safe_gate, cu_seqlens_list):
+        meta = chunk_meta(tuple(cu_seqlens_list), q.device)
+        G, qn, kn = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm)
+        o, ht, saved = kda_fwd(qn, kn, v, G, beta, scale, initial_state, output_final_state, safe_gate, meta)
+        # G (fp32) and the normalised q, k are kept rather than recomputed in the backward: the fused gate /
+        # L2-norm pass is ~5% of a forward+backward (1.06 ms at B4 T8192 H32 D128), the memory 8 bytes per
+        # element of q (the per-chunk states already take 2 * V / 64 = 4 per element at V = 128)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, G, qn, kn, *saved)
+        ctx.args = (scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, h0, G, qn, kn, *saved = ctx.saved_tensors
+        scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta = ctx.args
+        dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kda_bwd(
+            qn, kn, v, G, beta, scale, h0, dht, do.contiguous(), saved, g, A_log, dt_bias, lower_bound, gate,
+            safe_gate, meta, torch.float32 if use_qk_l2norm else q.dtype)
+        if use_qk_l2norm:
+            dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
+        return (dq, dk, dv, dg, dbeta,
+                dA_log, ddt_bias, None, dh0, None, None, None, None, None, None)

@@ -1,0 +1,195 @@
+"""Per-chunk backward: everything except the reverse state walk (state.py) and the state terms (inter_bwd.py).
+
+`intra_bwd_dv_kernel` (one program per (chunk, head)) contracts over V for the [64, 64] chunk-mixing
+gradients and dv. With u = Ainv (beta v - kb S) (kb = beta k exp(G)), dAinv = du (beta v - kb S)^T, so
+    dL = -(Ainv^T dAinv Ainv^T) = -(Ainv^T du) u^T   (strictly lower, L = diag(beta) Akk),
+    dMqk = dO u^T,  dv = beta Ainv^T du:
+one [64, 64] product Ainv^T du per V tile serves dv and dL, and neither S nor k is read.
+`intra_bwd_dqk_kernel` (one program per (16-row block x K tile, chunk, head)) is row-local in the chunk and
+column-local in K: it starts from the state terms of its rows (fp32 partials of dq, dk, dG written by
+inter_bwd_kernel), then adds dMqk / dL through the decayed products: the row side of its rows as
+[16, 64] x [64, BK] products, the column side of its keys from each later row block as [16, 16] x [16, BK]
+products, both around the first row of the row's block (the forward's factorisation), so each pair is
+computed once per side and nothing is masked away. It writes dq, dk and the per-token dG (fp32).
+`gate_bwd_kernel` (per (K tile, chunk, head)) reverse-sums dG over the chunk into dg and
+takes it through the gate. The kernels write per-program partial sums (dbeta over K tiles, dA_log and
+ddt_bias over chunks) that the host adds up: deterministic, no atomics.
+
+Precision (bf16 inputs): dG is a sum of terms that cancel (exp(G_t - G_s) is shift-invariant: the pair (t, s)
+adds X_ts to dG_t on the row side and -X_ts to dG_s on the column side). Both sides used to round their
+decayed operands (q e^{G-r} on one side, k e^{r-G} on the other) to bf16 differently, so the pairs did not
+cancel and dg, dA_log, ddt_bias carried errors of the size of the cancelled terms. Now every fp32 operand
+that feeds dG (the decayed q / k tiles, Ainv^T du) goes through dot_split (bf16 hi + lo, ~16 bits), and
+dMqk / dL are rounded once (bf16 scratch) so both sides of a pair see the same value.
+"""
+
+import triton
+import triton.language as tl
+
+from kimi_kernels.kda.gate import gate_grads
+from kimi_kernels.kda.intra import dot_split, load_tile, row_block, store_tile, to_dot
+
+
+@triton.jit
+def intra_bwd_dv_kernel(v, beta, U, dU, dO, Ainv, dM_buf, dL_buf, dv, dbeta_parts, chunk_start, chunk_len, scale,
+                        H, V: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
+    c, h = tl.program_id(0), tl.program_id(1)
+    t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
+    t = tl.arange(0, 64)
+    row_ok = t < n
+    b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
+    a_dot_t = tl.trans(to_dot(load_tile(Ainv, t0, n, h, H, 64, 0, 64), DOT_BF16))
+    d_m = tl.zeros([64, 64], dtype=tl.float32)
+    d_l = tl.zeros([64, 64], dtype=tl.float32)
+    d_b = tl.zeros([64], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        u = load_tile(U, t0, n, h, H, V, v0, BV)
+        du = to_dot(load_tile(dU, t0, n, h, H, V, v0, BV), DOT_BF16)
+        do = to_dot(load_tile(dO, t0, n, h, H, V, v0, BV), DOT_BF16)
+        vv = load_tile(v, t0, n, h, H, V, v0, BV)
+        d_m += tl.dot(do, tl.trans(to_dot(u, DOT_BF16)))
+        d_vb = tl.dot(a_dot_t, du)  # Ainv^T du
+        d_l -= dot_split(d_vb, tl.trans(u), True, DOT_BF16)
+        store_tile(dv, d_vb * b_all[:, None], t0, n, h, H, V, v0, BV)
+        d_b += tl.sum(d_vb * vv, 1)
+    valid = row_ok[:, None] & row_ok[None, :]
+    store_tile(dL_buf, tl.where(valid & (t[None, :] < t[:, None]), d_l, 0.0), t0, n, h, H, 64, 0, 64)
+    store_tile(dM_buf, tl.where(valid & (t[None, :] <= t[:, None]), d_m * scale, 0.0), t0, n, h, H, 64, 0, 64)
+    tl.store(dbeta_parts + (t0 + t) * H + h, d_b, mask=row_ok)
+
+
+@triton.jit
+def load_col(ptr, t0, col, h, H, D: tl.constexpr, kc, BKT: tl.constexpr):
+    """Row `col` of a chunk, columns kc..kc+BKT-1, fp32 [BKT]."""
+    d = kc + tl.arange(0, BKT)
+    return tl.load(ptr + (t0 + col) * H * D + h * D + d, mask=d < D, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_buf, dbeta_parts, chunk_start,
+                         chunk_len, scale, H, part_stride, K: tl.constexpr, BKT: tl.constexpr,
+                         SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
+    """dq, dk and the per-token dG of one 16-row block of a chunk, for K columns kc..kc+BKT-1: the state terms
+    (fp32 partials pq, pk, pG from inter_bwd_kernel) plus the intra-chunk ones."""
+    pid, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kt, blk = pid // 4, pid % 4
+    t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
+    r0 = blk * 16
+    if r0 >= n:  # the chunk is shorter than this block
+        return
+    kc = kt * BKT
+    s16, t, d = tl.arange(0, 16), tl.arange(0, 64), kc + tl.arange(0, BKT)
+    rows = r0 + s16
+    kmask, rok, row_ok = d < K, rows < n, t < n
+    m16 = rok[:, None] & kmask[None, :]
+    offs = (t0 + rows)[:, None] * (H * K) + h * K + d[None, :]
+    d_q = tl.load(pq + offs, mask=m16, other=0.0)
+    d_k = tl.load(pk + offs, mask=m16, other=0.0)
+    d_g = tl.load(pG + offs, mask=m16, other=0.0)
+    d_b = tl.zeros([16], dtype=tl.float32)
+    q_i = row_block(q, t0, r0, n, H * K, h * K, d, K)
+    k_i = row_block(k, t0, r0, n, H * K, h * K, d, K)
+    g_i = row_block(G, t0, r0, n, H * K, h * K, d, K)
+    b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
+
+    # the decayed products exp(G_t - G_s) = exp(G_t - r_i) exp(r_i - G_s), r_i = G at the first row of the
+    # row's block i: every factor <= 1 except inside the diagonal tile, where a lower-bounded gate keeps it
+    # <= e^{15 |g_min|}. Row side: keys s of the block's rows t.
+    k_all = load_tile(k, t0, n, h, H, K, kc, BKT)
+    g_all = load_tile(G, t0, n, h, H, K, kc, BKT)
+    kb_i = k_i * b_i[:, None]
+    g_r = load_col(G, t0, r0, h, H, K, kc, BKT)
+    if SAFE_GATE:
+        ncol = r0 + 16
+    else:  # the diagonal tile goes position by position below
+        ncol = r0
+    e_row = tl.exp(tl.where(m16, g_i - g_r[None, :], float("-inf")))
+    e_col = tl.exp(tl.where(((t < ncol) & row_ok)[:, None] & kmask[None, :], g_r[None, :] - g_all, float("-inf")))
+    kl = k_all * e_col
+    d_m_i = to_dot(row_block(dM_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
+    d_l_i = to_dot(row_block(dL_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
+    r_q = dot_split(d_m_i, kl, False, DOT_BF16) * e_row
+    r_k = dot_split(d_l_i, kl, False, DOT_BF16) * e_row
+    d_q += r_q
+    d_k += b_i[:, None] * r_k
+    d_g += q_i * r_q + kb_i * r_k
+    d_b += tl.sum(k_i * r_k, 1)
+
+    # column side: rows t of block i >= blk send to the block's keys s, around the same r_i = G[16 i] as the
+    # row side of those pairs used, so the two halves of each pair's dG (+X at t, -X at s) cancel exactly
+    col = tl.zeros([16, BKT], dtype=tl.float32)
+    for i in range(blk if SAFE_GATE else blk + 1, 4):
+        ri = i * 16
+        rows_i = ri + s16
+        ok_i = (rows_i < n)[:, None] & kmask[None, :]
+        g_ref = load_col(G, t0, tl.minimum(ri, n - 1), h, H, K, kc, BKT)
+        e_b = tl.exp(tl.where(ok_i, row_block(G, t0, ri, n, H * K, h * K, d, K) - g_ref[None, :], float("-inf")))
+        b_b = tl.load(beta + (t0 + rows_i) * H + h, mask=rows_i < n, other=0.0).to(tl.float32)
+        pair = (t0 + rows_i)[:, None] * (H * 64) + h * 64 + rows[None, :]  # dM[t in block i, s in blk]
+        d_m_ts = tl.load(dM_buf + pair, mask=(rows_i < n)[:, None], other=0.0)
+        d_l_ts = tl.load(dL_buf + pair, mask=(rows_i < n)[:, None], other=0.0)
+        x_q = row_block(q, t0, ri, n, H * K, h * K, d, K) * e_b
+        x_k = row_block(k, t0, ri, n, H * K, h * K, d, K) * b_b[:, None] * e_b
+        part = dot_split(tl.trans(to_dot(d_m_ts, DOT_BF16)), x_q, False, DOT_BF16)
+        part += dot_split(tl.trans(to_dot(d_l_ts, DOT_BF16)), x_k, False, DOT_BF16)
+        col += part * tl.exp(tl.where(m16, g_ref[None, :] - g_i, float("-inf")))
+    d_k += col
+    d_g -= col * k_i
+
+    if not SAFE_GATE:  # diagonal tile position by position (unbounded gate): exp(G_t - G_s), t >= s in the block
+        for j in range(0, 16):
+            s = r0 + j
+            s_ok = s < n
+            k_s = load_col(k, t0, tl.minimum(s, n - 1), h, H, K, kc, BKT)
+            g_s = load_col(G, t0, tl.minimum(s, n - 1), h, H, K, kc, BKT)
+            ok = (rows >= s) & rok & s_ok
+            e = tl.exp(tl.where(ok[:, None] & kmask[None, :], g_i - g_s[None, :], float("-inf")))
+            dm_s = tl.load(dM_buf + (t0 + rows) * H * 64 + h * 64 + s, mask=rok & s_ok, other=0.0).to(tl.float32)
+            dl_s = tl.load(dL_buf + (t0 + rows) * H * 64 + h * 64 + s, mask=rok & s_ok, other=0.0).to(tl.float32)
+            p_m = dm_s[:, None] * e
+            p_l = (dl_s * b_i)[:, None] * e
+            d_q += p_m * k_s[None, :]
+            d_k += p_l * k_s[None, :]
+            d_b += tl.sum(dl_s[:, None] * e * k_i * k_s[None, :], 1)
+            pair = p_m * q_i + p_l * k_i  # gradient reaching k_s from every row t
+            d_g += pair * k_s[None, :]
+            d_k += tl.where(rows[:, None] == s, tl.sum(pair, 0)[None, :], 0.0)
+            d_g -= tl.where(rows[:, None] == s, tl.sum(pair * k_s[None, :], 0)[None, :], 0.0)
+
+    tl.store(dq + offs, d_q.to(dq.dtype.element_ty), mask=m16)
+    tl.store(dk + offs, d_k.to(dk.dtype.element_ty), mask=m16)
+    tl.store(dG_buf + offs, d_g, mask=m16)
+    tl.store(dbeta_parts + (1 + kt) * part_stride + (t0 + rows) * H + h, d_b, mask=rok)
+
+
+@triton.jit
+def gate_bwd_kernel(dG_buf, dlast, f, A_log, dt_bias, dg, dA_parts, ddt_parts, chunk_start, chunk_len,
+                    lower_bound, H, K: tl.constexpr, BKT: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+    """dg = reverse cumsum over the chunk of dG (plus the last row's share from inter_bwd_kernel), then through
+    the gate activation, with per-program partial sums of the dA_log / ddt_bias terms."""
+    kt, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
+    kc = kt * BKT
+    t, d = tl.arange(0, 64), kc + tl.arange(0, BKT)
+    kmask = d < K
+    m2 = (t < n)[:, None] & kmask[None, :]
+    d_g = load_tile(dG_buf, t0, n, h, H, K, kc, BKT)
+    last = tl.load(dlast + (c * H + h) * K + d, mask=kmask, other=0.0)
+    d_g += tl.where(t[:, None] == n - 1, last[None, :], 0.0)
+    d_gate = tl.where(m2, tl.sum(d_g, 0)[None, :] - tl.cumsum(d_g, 0) + d_g, 0.0)
+    if GATE != 0:
+        x = load_tile(f, t0, n, h, H, K, kc, BKT)
+        a = 1.0
+        if HAS_A:
+            a = tl.exp(tl.load(A_log + h).to(tl.float32))
+        bias = tl.zeros([1, BKT], dtype=tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(dt_bias + h * K + d, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        dg_dx, dg_da = gate_grads(x, a, bias, lower_bound, GATE)
+        if HAS_A:
+            tl.store(dA_parts + (c * H + h) * tl.num_programs(0) + kt, tl.sum(tl.sum(d_gate * dg_da, 1), 0))
+        d_gate = tl.where(m2, d_gate * dg_dx, 0.0)
+        if HAS_BIAS:
+            tl.store(ddt_parts + (c * H + h) * K + d, tl.sum(d_gate, 0), mask=kmask)
+    store_tile(dg, d_gate, t0, n, h, H, K, kc, BKT)
