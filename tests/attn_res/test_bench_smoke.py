@@ -45,7 +45,7 @@ def test_config_bench_smoke_alternates_builds_and_writes_json(tmp_path):
     out = tmp_path / "attnres-config.json"
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, str(root / "tools" / "bench_attnres_config.py"), "--smoke", "--rounds", "2",
+        [sys.executable, str(root / "tools" / "dev" / "bench_attnres_config.py"), "--smoke", "--rounds", "2",
          "--out", str(out)],
         cwd=root, env=env, capture_output=True, text=True, timeout=300,
     )

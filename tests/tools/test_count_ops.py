@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_count_ops_ours_full(tmp_path):
     out = tmp_path / "ops.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "count_ops.py"), "--variant", "ours_full",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "dev" / "count_ops.py"), "--variant", "ours_full",
                            "--warmup", "1", "--json", str(out)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
