@@ -7,6 +7,8 @@ Steps (``--steps``, comma-separated; each has its own time limit and records ``n
   must equal run A's. Run B's losses before the kill, against run A's, show whether training itself repeats bit
   for bit on this GPU: when it does, the resume must be bitwise; when it does not, the resume may differ by no
   more than the same two runs differ before the kill (times RUN_TO_RUN_SLACK, as differences grow over steps);
+* ``resume-own`` - run B alone as the reference: killed past OWN_KILL_AFTER, its iterations after the checkpoint
+  against run C's (no run A; the first within OWN_FIRST_TOLERANCE, the rest within OWN_TOLERANCE, relative);
 * ``sigterm`` - the same job, started by ``launch/torchrun.sh``, gets SIGTERM past KILL_AFTER, must save where it
   stands and exit 0, and the resume must continue with run A's losses under the rule above;
 * ``balancers`` (one step ``balancer-<name>`` each) - each balancer trains BALANCER_ITERS iterations of ``configs/h200.yaml``: tokens/s (median of
@@ -56,9 +58,13 @@ CAPACITY = ("--moe-expert-capacity-factor", "1.25")  # as issue 29 measured them
 BALANCER_FLAGS = {"aux_loss": ("--moe-aux-loss-coeff", "1e-2"), "qb_capacity": CAPACITY, "qb_both": CAPACITY}
 RUN_TO_RUN_SLACK = 4.0
 EP2_TOLERANCE = 2e-2  # relative: bf16 sums in another order over 10 steps
-# The config's own warm-up (30): a 10-iteration one spiked the loss (4.9 -> 8.0 at iteration 13 on the H200), where
-# run-to-run noise grows by orders of magnitude and no resume can be judged against it.
-COMMON = ["--eval-iters", "0"]
+# A 10-iteration warm-up spiked the loss (4.9 -> 8.0 at iteration 13 on the H200), where run-to-run noise grows by
+# orders of magnitude and no resume can be judged against it; the config's own 30 must stay below train_iters.
+COMMON = ["--eval-iters", "0", "--lr-warmup-iters", "20"]
+# resume-own: the resumed run against the interrupted run's own iterations past its checkpoint. The first one is a
+# forward pass of the loaded weights on the same batch (only reduction order differs); the later ones add the
+# optimizer state (a lost moment or step count moves the loss by far more than a few steps of bf16 noise).
+OWN_FIRST_TOLERANCE, OWN_TOLERANCE, OWN_KILL_AFTER = 1e-3, 1e-2, 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,14 +109,14 @@ def train(job: Job, name: str, *flags: str, nproc: int = 1, kill_after: int | No
     signalled, first_logged, last_logged, seen = False, None, None, 0
     while proc.poll() is None:
         if time.monotonic() - start > timeout:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid, signal.SIGKILL)
             break
         logged = len(records(run_dir))
         if logged > seen:
             seen, last_logged = logged, round(time.monotonic() - start, 1)
             first_logged = first_logged or last_logged
         if kill_after is not None and not signalled and max(records(run_dir), default=0) >= kill_after:
-            os.killpg(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
+            kill_tree(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
             signalled = True
         time.sleep(0.2)
     proc.wait()
@@ -118,6 +124,24 @@ def train(job: Job, name: str, *flags: str, nproc: int = 1, kill_after: int | No
     text = (run_dir / "log.txt").read_text()
     return {"rc": proc.returncode, "seconds": round(time.monotonic() - start, 1), "first_logged_s": first_logged,
             "last_logged_s": last_logged, "tail": text[-3000:], "records": records(run_dir)}
+
+
+def kill_tree(pid: int, sig) -> None:
+    """``sig`` to ``pid`` and every process below it. torchrun's workers do not stay in its process group: a
+    killpg left them training (and saving) beside the next run (seen on the H200 and the CPU)."""
+    import psutil
+
+    try:
+        parent = psutil.Process(pid)
+        procs = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
 
 
 def free_port() -> int:
@@ -192,6 +216,32 @@ def step_resume(job: Job) -> dict:
             "checkpoint_gb": disk_gb(ckpt), "checkpoint_dir": str(job.checkpoints),
             "tokens_per_sec_A": window_figures(a["records"])["tokens_per_sec"],
             "timing": dict(zip("ABC", timing(a, b, c)))}
+
+
+def step_resume_own(job: Job) -> dict:
+    ckpt = job.checkpoints / "B"
+    shutil.rmtree(job.checkpoints, ignore_errors=True)  # one checkpoint at a time
+    b = train(job, "B", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt),
+              "--save-interval", str(SAVE_INTERVAL), "--log-interval", "1", kill_after=OWN_KILL_AFTER)
+    saved = last_checkpoint(ckpt)
+    post = [i for i in range(saved + 1, max(b["records"], default=0) + 1)]  # what B logged past its checkpoint
+    if not saved or len(post) < 2 or any(i not in b["records"] for i in post):
+        return {"passed": False, "why": f"interrupted run: saved at {saved}, logged {sorted(b['records'])}",
+                "tail": b["tail"]}
+    # the same schedule (train_iters fixes the LR decay), to its end: a killed run loses its unflushed metrics
+    c = train(job, "C", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "",
+              "--log-interval", "1")
+    if c["rc"] != 0 or any(i not in c["records"] for i in post):
+        return {"passed": False, "why": "resume failed", "tail": c["tail"]}
+    first = max_rel_diff(b["records"], c["records"], post[:1])
+    later = max_rel_diff(b["records"], c["records"], post[1:])
+    return {"passed": first <= OWN_FIRST_TOLERANCE and later <= OWN_TOLERANCE, "resumed_from": saved,
+            "first_rel_diff": first, "later_max_rel_diff": later,
+            "tolerances": [OWN_FIRST_TOLERANCE, OWN_TOLERANCE], "killed_rc": b["rc"],
+            "losses_interrupted": [b["records"][i]["lm_loss"] for i in post],
+            "losses_resumed": [c["records"][i]["lm_loss"] for i in post],
+            "checkpoint_gb": disk_gb(ckpt), "checkpoint_dir": str(job.checkpoints),
+            "timing": dict(zip("BC", timing(b, c)))}
 
 
 def step_sigterm(job: Job) -> dict:
@@ -296,6 +346,7 @@ def step_ep2(job: Job) -> dict:
 STEP_GROUPS = {"balancers": [f"balancer-{b}" for b in BALANCERS]}
 STEPS = {
     "resume": step_resume,
+    "resume-own": step_resume_own,
     "sigterm": step_sigterm,
     **{f"balancer-{b}": functools.partial(step_balancer, b) for b in BALANCERS},
     "tensorboard": step_tensorboard,
