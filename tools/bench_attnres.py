@@ -81,9 +81,6 @@ def parse_args(argv=None):
                         "attnres_unpaired_step_ms")
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps (default: off, as in training's manual_gc)")
-    p.add_argument("--ab-adamw", action="store_true",
-                   help="also time both models with one fused-AdamW launch per tensor, the small ones too (as before "
-                        "speed_patches.SMALL_TENSOR_NUMEL), in the same process: the adamw_per_tensor entry")
     p.add_argument("--profile", choices=("standard", "attnres"), default=None,
                    help="instead of timing: profile 3 training steps of one model, print kernel and operator tables")
     return p.parse_args(argv)
@@ -195,16 +192,6 @@ def run(args) -> dict:
                                    manual_gc=gc_on)
     standard = time_training_step(standard_config, shape, steps, warmup, manual_gc=gc_on)
     attn_res = time_training_step(attn_res_config, shape, steps, warmup, manual_gc=gc_on)
-    ab = {}
-    if args.ab_adamw:  # the small tensors' AdamW as before: a launch each
-        numel_before, speed_patches.SMALL_TENSOR_NUMEL = speed_patches.SMALL_TENSOR_NUMEL, 0
-        try:
-            per_tensor = {name: time_training_step(config, shape, steps, warmup, manual_gc=gc_on)
-                          for name, config in (("standard", standard_config), ("attnres", attn_res_config))}
-        finally:
-            speed_patches.SMALL_TENSOR_NUMEL = numel_before
-        ab["adamw_per_tensor"] = {f"{name}_{key}": r[key] for name, r in per_tensor.items()
-                                  for key in ("step_ms", "optimizer_ms")}
     dtype = torch.bfloat16 if cuda else torch.float32
     kernel = time_depth_attention(shape, model["hidden_size"], dtype, steps, warmup, cuda)
     return {
@@ -217,7 +204,6 @@ def run(args) -> dict:
         **({"attnres_unpaired_step_ms": interleaved["attnres_unpaired"]["step_ms"],
             "overhead_round_median_unpaired": interleaved["ratio_median"]["attnres_unpaired"] - 1} if more else {}),
         "sequential": {"standard_step_ms": standard["step_ms"], "attnres_step_ms": attn_res["step_ms"]},
-        **ab,
         "standard_optimizer_ms": standard["optimizer_ms"],
         "attnres_optimizer_ms": attn_res["optimizer_ms"],
         "standard_peak_mem_gb": standard["peak_mem_gb"],
@@ -238,7 +224,6 @@ def run(args) -> dict:
 
 
 def print_table(r: dict) -> None:
-    per_tensor = r.get("adamw_per_tensor")
     sequential = r["sequential"]
     rows = [
         ("training step, standard residuals", f"{r['standard_step_ms']:.2f} ms", f"{r['standard_peak_mem_gb']:.2f} GB"),
@@ -249,8 +234,6 @@ def print_table(r: dict) -> None:
          f"{sequential['attnres_step_ms']:.2f} ms"),
         ("  optimizer.step() alone, standard / AttnRes", f"{r['standard_optimizer_ms']:.2f} ms",
          f"{r['attnres_optimizer_ms']:.2f} ms"),
-        *([(f"  AdamW a launch per tensor: {name} step / optimizer", f"{per_tensor[name + '_step_ms']:.2f} ms",
-            f"{per_tensor[name + '_optimizer_ms']:.2f} ms") for name in ("standard", "attnres")] if per_tensor else []),
         *([("  AttnRes without the paired backward (interleaved)", f"{r['attnres_unpaired_step_ms']:.2f} ms",
             f"{r['overhead_round_median_unpaired']:+.1%}")] if "attnres_unpaired_step_ms" in r else []),
         ("depth attention fwd+bwd, Triton", f"{r['kernel_ms']:.3f} ms", ""),
