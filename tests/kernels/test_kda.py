@@ -263,6 +263,19 @@ def test_bf16_on_gpu_matches_fp32_reference(gate, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bound", [-3.0, -8.0, -12.0])
+def test_bf16_on_gpu_sweep_bounds_match_fp32_reference(bound):
+    """The g_min sweep's other bounds in bf16 (docs/gate_lower_bound.md): -3 on the dense diagonal path, -8 and
+    -12 on the per-position one, strong decays so that many gates sit near the bound."""
+    x = make_inputs(2, 300, 4, 64, 64, device="cuda", seed=31)
+    x["A_log"] = x["A_log"] + 1.0
+    results = run_pair(x, "lower_bound", dtype=torch.bfloat16, lower_bound=bound)
+    assert_match(results, 1e-2, ("q", "k", "v", "beta", "h0"))
+    (o, s, _), _ = results
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("block_v", [16, 32, 64])
 def test_bf16_walk_tiles_on_gpu_match_the_fp32_reference(block_v, monkeypatch):
     """Each V tile of the compiled state walks in bf16, D = 128, varlen: within bf16 error of the fp32 reference
