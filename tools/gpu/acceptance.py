@@ -128,20 +128,21 @@ def train(job: Job, name: str, *flags: str, nproc: int = 1, kill_after: int | No
 
 def kill_tree(pid: int, sig) -> None:
     """``sig`` to ``pid`` and every process below it. torchrun's workers do not stay in its process group: a
-    killpg left them training (and saving) beside the next run (seen on the H200 and the CPU)."""
+    killpg left them training (and saving) beside the next run (seen on the H200 and the CPU). The caller reaps
+    ``pid`` itself (psutil's wait would take its exit status: the JSON's killed_rc read 0)."""
     import psutil
 
     try:
         parent = psutil.Process(pid)
-        procs = [parent, *parent.children(recursive=True)]
+        children = parent.children(recursive=True)
     except psutil.NoSuchProcess:
         return
-    for p in procs:
+    for p in (parent, *children):
         try:
             p.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=30)
+    psutil.wait_procs(children, timeout=30)
 
 
 def free_port() -> int:
