@@ -173,9 +173,6 @@ class HybridConfig(TransformerConfig):
             raise ConfigError(f"moe_balancer={self.moe_balancer!r}; allowed: {', '.join(MOE_BALANCERS)}")
         if self.num_moe_experts:
             check_balancer_settings(self)
-        if self.num_moe_experts and self.moe_balancer == "aux_loss" and not self.moe_aux_loss_coeff > 0:
-            raise ConfigError(f"moe_balancer='aux_loss' needs moe_aux_loss_coeff > 0 (e.g. 1e-2, Switch "
-                              f"Transformer's), got {self.moe_aux_loss_coeff!r}")
         self._validate_kda()
         self._validate_mla()
         self._validate_positions()

@@ -272,6 +272,9 @@ def check_balancer_settings(config) -> None:
     if getattr(config, "moe_qb_cuda_graph", False) and getattr(config, "moe_qb_host_reads", True):
         raise ConfigError("moe_qb_cuda_graph=True needs moe_qb_host_reads=False (a CUDA graph cannot read the "
                           "device back to the host)")
+    if name == "aux_loss" and not config.moe_aux_loss_coeff > 0:
+        raise ConfigError(f"moe_balancer='aux_loss' needs moe_aux_loss_coeff > 0 (e.g. 1e-2, Switch "
+                          f"Transformer's), got {config.moe_aux_loss_coeff!r}")
     if name in CAPACITY_BALANCERS:
         capacity_factor = config.moe_expert_capacity_factor
         if not (capacity_factor is not None and capacity_factor > 0):
@@ -317,8 +320,5 @@ def build_balancer(config, capacity_group: dist.ProcessGroup | None = None, devi
 
     loss = None
     if loss_part is AuxLoss:
-        if not config.moe_aux_loss_coeff > 0:
-            raise ConfigError(f"moe_aux_loss_coeff must be > 0 when moe_balancer='aux_loss', "
-                              f"got {config.moe_aux_loss_coeff!r}")
         loss = AuxLoss(config.moe_aux_loss_coeff, k, num_experts, config.moe_router_score_function == "softmax")
     return Balancer(name, routing, bias, loss)

@@ -170,7 +170,7 @@ def test_expert_counts_skip_dropped_pairs():
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(moe_balancer="bogus"), "^moe_balancer='bogus'; allowed: none, aux_loss, sign_bias, qb_capacity, "),
-    (dict(moe_balancer="aux_loss", moe_aux_loss_coeff=0.0), "moe_aux_loss_coeff must be > 0"),
+    (dict(moe_balancer="aux_loss", moe_aux_loss_coeff=0.0), "moe_balancer='aux_loss' needs moe_aux_loss_coeff > 0"),
     (dict(moe_balancer="qb_capacity"), "moe_expert_capacity_factor must be > 0"),
     (dict(moe_balancer="none", moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor is only used"),
     (dict(moe_balancer="qb_bias", moe_qb_num_bins=0), "moe_qb_num_bins must be a positive int"),
