@@ -111,11 +111,11 @@ def train(job: Job, name: str, *flags: str, nproc: int = 1, kill_after: int | No
         if time.monotonic() - start > timeout:
             kill_tree(proc.pid, signal.SIGKILL)
             break
-        logged = len(records(run_dir))
-        if logged > seen:
-            seen, last_logged = logged, round(time.monotonic() - start, 1)
+        logged = records(run_dir)
+        if len(logged) > seen:
+            seen, last_logged = len(logged), round(time.monotonic() - start, 1)
             first_logged = first_logged or last_logged
-        if kill_after is not None and not signalled and max(records(run_dir), default=0) >= kill_after:
+        if kill_after is not None and not signalled and max(logged, default=0) >= kill_after:
             kill_tree(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
             signalled = True
         time.sleep(0.2)
@@ -200,15 +200,21 @@ def disk_gb(path: Path) -> float:
     return round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 1e9, 2)
 
 
+def interrupted_run(job: Job, kill_after: int) -> tuple[dict, Path, int]:
+    """Run B: saves every SAVE_INTERVAL and is SIGKILLed past ``kill_after``; with its checkpoint directory and
+    the iteration of its last checkpoint (the only one on disk: the earlier steps' are removed first)."""
+    ckpt = job.checkpoints / "B"
+    shutil.rmtree(job.checkpoints, ignore_errors=True)  # one checkpoint at a time
+    b = train(job, "B", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt),
+              "--save-interval", str(SAVE_INTERVAL), "--log-interval", "1", kill_after=kill_after)
+    return b, ckpt, last_checkpoint(ckpt)
+
+
 def step_resume(job: Job) -> dict:
     a = train(job, "A", "--train-iters", str(RESUME_ITERS), "--save", "", "--log-interval", "1")
     if a["rc"] != 0 or len(a["records"]) != RESUME_ITERS:
         return {"passed": False, "why": "uninterrupted run failed", "tail": a["tail"]}
-    ckpt = job.checkpoints / "B"
-    shutil.rmtree(job.checkpoints, ignore_errors=True)  # one checkpoint at a time
-    b = train(job, "B", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt),
-              "--save-interval", str(SAVE_INTERVAL), "--log-interval", "1", kill_after=KILL_AFTER)
-    saved = last_checkpoint(ckpt)
+    b, ckpt, saved = interrupted_run(job, KILL_AFTER)
     c = train(job, "C", "--train-iters", str(RESUME_ITERS), "--load", str(ckpt), "--save", "", "--log-interval", "1")
     if c["rc"] != 0:
         return {"passed": False, "why": "resume failed", "tail": c["tail"]}
@@ -220,11 +226,7 @@ def step_resume(job: Job) -> dict:
 
 
 def step_resume_own(job: Job) -> dict:
-    ckpt = job.checkpoints / "B"
-    shutil.rmtree(job.checkpoints, ignore_errors=True)  # one checkpoint at a time
-    b = train(job, "B", "--train-iters", str(RESUME_ITERS), "--save", str(ckpt),
-              "--save-interval", str(SAVE_INTERVAL), "--log-interval", "1", kill_after=OWN_KILL_AFTER)
-    saved = last_checkpoint(ckpt)
+    b, ckpt, saved = interrupted_run(job, OWN_KILL_AFTER)
     post = [i for i in range(saved + 1, max(b["records"], default=0) + 1)]  # what B logged past its checkpoint
     if not saved or len(post) < 2 or any(i not in b["records"] for i in post):
         return {"passed": False, "why": f"interrupted run: saved at {saved}, logged {sorted(b['records'])}",
