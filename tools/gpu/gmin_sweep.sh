@@ -31,7 +31,7 @@ if [ -z "${NO_WHEELS:-}" ] && [ ! -f /tmp/site/.installed ]; then
   touch /tmp/site/.installed
 fi
 export PYTHONPATH=/tmp/site:$PWD
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-$(command -v python3)}  # a path: the function below must not call itself
 python3() { "$PYTHON" "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 {
