@@ -77,9 +77,49 @@ def median_ms(step: Callable[[], None], warmup: int, iters: int, device: torch.d
     for _ in range(iters):
         dist.barrier()
         times.append(call_ms(step, device.type == "cuda"))
-    worst = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    return max_over_ranks(statistics.median(times), device)
+
+
+def max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest ``value`` of all ranks (a collective: every rank calls it)."""
+    worst = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return float(worst)
+
+
+class RegionTimer:
+    """Times each pass through ``with timer:`` without a host sync: CUDA events on the GPU (read only by
+    :meth:`median_ms`, after the steps), ``perf_counter`` on the CPU."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.marks: list = []  # (start, end) per pass: events or seconds
+        self._start = None
+
+    def __enter__(self):
+        self._start = self._mark()
+        return self
+
+    def __exit__(self, *exc):
+        self.marks.append((self._start, self._mark()))
+        return False
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def clear(self) -> None:
+        self.marks.clear()
+
+    def median_ms(self) -> float:
+        """Median ms of the passes since the last :meth:`clear` (waits for the last event on the GPU)."""
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+            return statistics.median(start.elapsed_time(end) for start, end in self.marks)
+        return statistics.median(1000 * (end - start) for start, end in self.marks)
 
 
 def call_ms(fn: Callable[[], object], cuda: bool) -> float:
@@ -165,21 +205,25 @@ def free_device_memory(device: torch.device) -> None:
 
 
 def training_step_fn(chunks: list, optimizer, vocab_size: int, seq: int, micro_batch: int,
-                     after_step: Callable[[list], None] | None = None, profiler=None) -> Callable[[], None]:
+                     after_step: Callable[[list], None] | None = None, profiler=None,
+                     optimizer_timer: RegionTimer | None = None) -> Callable[[], None]:
     """One training step of built chunks on a fixed synthetic microbatch (this rank's own tokens: under EP
     every rank routes a different batch, as in training): zero the grads, forward + backward through
-    Megatron's schedule, ``optimizer.step()``, ``after_step(chunks)``, ``profiler.step()``."""
+    Megatron's schedule, ``optimizer.step()`` (inside ``optimizer_timer`` when given), ``after_step(chunks)``,
+    ``profiler.step()``."""
     from megatron_ext.training.step import forward_backward
 
     model_device = next(chunks[0].parameters()).device
     batch = [synthetic_batch(vocab_size, seq, micro_batch, model_device, seed=dist.get_rank())]
+    timed_update = optimizer_timer if optimizer_timer is not None else contextlib.nullcontext()
 
     def step():
         for c in chunks:
             c.zero_grad_buffer()
         optimizer.zero_grad()
         forward_backward(chunks, batch, seq, micro_batch, read_loss=False)  # as launch/train.py: read when logged
-        optimizer.step()
+        with timed_update:
+            optimizer.step()
         if after_step is not None:
             after_step(chunks)
         if profiler is not None:
@@ -267,9 +311,9 @@ def build_training_state(build_chunks: Callable[[], list], config, fast_step: bo
 def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int, seq: int,
                        micro_batch: int, warmup: int, steps: int, after_step: Callable[[list], None] | None = None,
                        profiler=None, fast_step: bool = True, main_grad_dtype: str = "fp32",
-                       manual_gc: bool = True) -> dict:
-    """Median ms of one training step and of its ``optimizer.step()`` alone (``optimizer_ms``: timed after the
-    steps, again on the last gradients; where the GPU outruns the host this is the host's launch cost), the peak
+                       manual_gc: bool = True, counters=None) -> dict:
+    """Median ms of one training step and of the ``optimizer.step()`` inside it (``optimizer_ms``: the same timed
+    steps, a :class:`RegionTimer` around the update, read after the steps; both max over ranks), the peak
     memory (GB) of this rank and the gradient buffer's dtype
     (``main_grad_dtype``, e.g. ``"bf16"``: what ``main_grad_dtype``, see ``build_training_state``, resolved to;
     fp32 models always have fp32 gradients).
@@ -280,7 +324,9 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     and the model and optimizer are freed before returning. ``profiler`` (a started
     ``torch.profiler.profile``) is stepped after each timed step when given. ``manual_gc``: Python's
     collector off during the steps, as in training (``megatron_ext/training/manual_gc.py``, interval 0 here:
-    no collection inside the timed window); False leaves the automatic collector on.
+    no collection inside the timed window); False leaves the automatic collector on. ``counters``: an object
+    with ``reset(chunks)``, called after the warm-up, and ``read(chunks) -> dict``, called after the timed
+    steps (outside the timed region); its dict joins the result (e.g. dropped pairs summed over the timed steps).
     """
     from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
 
@@ -290,15 +336,22 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
                                              micro_batches_per_step=1)
     grad_dtype = next(p.main_grad.dtype for c in chunks for p in c.parameters() if hasattr(p, "main_grad"))
     model_device = next(chunks[0].parameters()).device
-    step = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch, after_step, profiler)
+    optimizer_timer = RegionTimer(model_device.type == "cuda")
+    step = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch, after_step, profiler, optimizer_timer)
 
     try:
         with manual_gc_scope(manual_gc, 0):
-            ms = median_ms(step, warmup, steps, model_device)
-            optimizer_ms = median_ms(optimizer.step, 1, steps, model_device)
+            for _ in range(warmup):
+                step()
+            if counters is not None:
+                counters.reset(chunks)
+            optimizer_timer.clear()
+            ms = median_ms(step, 0, steps, model_device)
+        optimizer_ms = max_over_ranks(optimizer_timer.median_ms(), model_device)
+        counted = counters.read(chunks) if counters is not None else {}
         peak = torch.cuda.max_memory_allocated() / 2**30 if model_device.type == "cuda" else 0.0
     finally:
         del chunks, optimizer, step
         free_device_memory(model_device)
     return {"step_ms": ms, "optimizer_ms": optimizer_ms, "peak_gb": peak,
-            "main_grad_dtype": DTYPE_NAMES.get(grad_dtype, str(grad_dtype))}
+            "main_grad_dtype": DTYPE_NAMES.get(grad_dtype, str(grad_dtype)), **counted}

@@ -1,15 +1,27 @@
 """The rows of the end-to-end benchmark (``tools/bench_e2e.py``, whose docstring describes them): their names
-(``NAME[+OPTION...]``), sizes, configs and model builds."""
+(``NAME[+OPTION...]``), sizes, configs and model builds.
+
+The ours rows' configs go through launch/train.py's own config loading (``load_config`` with its
+``model_section``, then ``validate_layout``): a row is the config keys it sets (:func:`row_config_keys`, the
+names a YAML file uses) and everything else is what training defaults to."""
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-VARIANTS = ("stock", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
-ROW_OPTIONS = ("eager", "torch-rounds", "no-attnres")  # ``+OPTION`` of an ours_full row: bench_e2e.py's docstring
+VARIANTS = ("stock", "stock_sdpa", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
+# ``+OPTION`` of an ours_full row -> the config keys it sets on top of the row's (bench_e2e.py's docstring).
+OPTION_KEYS = {
+    "graphed": {"moe_qb_host_reads": False, "moe_qb_cuda_graph": True},
+    "torch-rounds": {"moe_qb_rounds_impl": "torch"},
+    "no-attnres": {"attn_res": False},
+}
+ROW_OPTIONS = tuple(OPTION_KEYS)
+STOCK_ATTENTION = {"stock": "DotProductAttention", "stock_sdpa": "SDPA"}  # stock rows -> core attention
 GPU_SIZES = dict(
     model=dict(num_layers=8, hidden_size=2048, num_attention_heads=16, num_moe_experts=64,
                moe_router_topk=8, moe_ffn_hidden_size=1024),
@@ -30,8 +42,8 @@ def split_variant(name: str) -> tuple[str, frozenset[str]]:
     return base, frozenset(options)
 
 
-def variant_problem(name: str) -> str | None:
-    """Why ``name`` is not a row this script knows (None when it is)."""
+def variant_problem(name: str, cuda: bool = True, world: int = 1) -> str | None:
+    """Why ``name`` is not a row this script can run (None when it can) on ``world`` ranks, CUDA or the CPU."""
     base, options = split_variant(name)
     if base not in VARIANTS:
         return f"unknown row {base!r}; known: {', '.join(VARIANTS)}"
@@ -40,13 +52,11 @@ def variant_problem(name: str) -> str | None:
         return f"unknown option {'+' + unknown[0]!r}; known: {', '.join('+' + o for o in ROW_OPTIONS)}"
     if options and not base.startswith("ours_full"):
         return "+options apply to the ours_full rows (capacity routing, AttnRes) only"
+    if "graphed" in options and not cuda:
+        return "+graphed replays the capacity routing from CUDA graphs: it needs a CUDA GPU, not --smoke"
+    if "graphed" in options and world > 1:
+        return "+graphed runs on one GPU only (moe_qb_cuda_graph is one-rank capacity routing)"
     return None
-
-
-def qb_rounds_impl(name: str) -> str | None:
-    """``moe_qb_rounds_impl`` of a row: "torch" for ``+torch-rounds`` (the one-rank routing rounds as PyTorch ops
-    instead of the Triton kernels), else None (HybridConfig's default)."""
-    return "torch" if "torch-rounds" in split_variant(name)[1] else None
 
 
 def variant_shape(name: str, sizes: dict) -> tuple[int, int]:
@@ -60,32 +70,75 @@ def _dtype(cuda: bool) -> torch.dtype:
     return torch.bfloat16 if cuda else torch.float32  # bf16 weights as launch/train.py builds them
 
 
-def ours_config(sizes: dict, seq: int, techniques: bool, cuda: bool, qb_device_rounds: int | None = None,
-                qb_host_reads: bool | None = None, qb_cuda_graph: bool = False, attn_res: bool = True,
-                qb_rounds_impl: str | None = None):
-    """Our ``HybridConfig``: plain (full attention, top-k) or with KDA 3:1, qb_both and AttnRes (unless
-    ``attn_res`` is False)."""
-    from megatron_ext.config import HybridConfig
-
+def row_config_keys(name: str, sizes: dict) -> dict:
+    """The model keys an ours row sets (launch/train.py's YAML names); training's defaults do the rest.
+    ``ours_base``: the dimensions only (full attention, plain top-k: HybridConfig's defaults); ``ours_full``: KDA
+    3:1, qb_both with capacity factor 1.25, Block AttnRes; each ``+option`` adds its :data:`OPTION_KEYS`."""
+    base, options = split_variant(name)
     model = sizes["model"]
-    extra = dict(
-        attention_pattern="KKKA", kda_head_dim=model["hidden_size"] // model["num_attention_heads"],
-        moe_balancer="qb_both", moe_expert_capacity_factor=CAPACITY_FACTOR,
-        attn_res=attn_res, attn_res_num_blocks=sizes["attn_res_blocks"],
-    ) if techniques else dict(attention_pattern="A", moe_balancer="none")
-    if techniques and qb_device_rounds is not None:
-        extra["moe_qb_device_rounds"] = qb_device_rounds
-    if techniques and qb_host_reads is not None:
-        extra["moe_qb_host_reads"] = qb_host_reads
-    if techniques and qb_cuda_graph:
-        extra["moe_qb_cuda_graph"] = True
-    if techniques and qb_rounds_impl is not None:
-        extra["moe_qb_rounds_impl"] = qb_rounds_impl
-    return HybridConfig(
-        **model, num_query_groups=model["num_attention_heads"], vocab_size=sizes["vocab"],
-        max_sequence_length=seq, expert_model_parallel_size=dist.get_world_size(),
-        bf16=cuda, params_dtype=_dtype(cuda), pipeline_dtype=_dtype(cuda),
-        use_cpu_initialization=not cuda, **extra)
+    keys = {**model, "vocab_size": sizes["vocab"]}
+    if base.startswith("ours_full"):
+        keys.update(attention_pattern="KKKA", kda_head_dim=model["hidden_size"] // model["num_attention_heads"],
+                    moe_balancer="qb_both", moe_expert_capacity_factor=CAPACITY_FACTOR,
+                    attn_res=True, attn_res_num_blocks=sizes["attn_res_blocks"])
+    for option in sorted(options):
+        keys.update(OPTION_KEYS[option])
+    return keys
+
+
+def as_flags(keys: dict) -> list[str]:
+    """Config keys as launch/train.py's command-line flags (``--moe-qb-host-reads=false``)."""
+    def text(value) -> str:
+        return str(value).lower() if isinstance(value, bool) else str(value)
+
+    return [f"--{key.replace('_', '-')}={text(value)}" for key, value in keys.items()]
+
+
+def ours_config(name: str, sizes: dict, cuda: bool):
+    """The ``HybridConfig`` launch/train.py builds for the row's keys, its shape (``seq_length``,
+    ``micro_batch_size``), bf16 on the GPU and EP = world size."""
+    from launch.train import model_section
+    from megatron_ext.config import HybridConfig
+    from megatron_ext.parallel import validate_layout
+    from megatron_ext.training.arguments import TRAINING_SECTIONS, load_config
+
+    seq, micro_batch = variant_shape(name, sizes)
+    world = dist.get_world_size()
+    shape = dict(seq_length=seq, micro_batch_size=micro_batch, bf16=cuda, expert_model_parallel_size=world)
+    loaded = load_config([*TRAINING_SECTIONS, model_section()], as_flags({**shape, **row_config_keys(name, sizes)}),
+                         world_size=world)
+    config = loaded[HybridConfig]
+    validate_layout(config, world)
+    return config
+
+
+def has_capacity_routing(config) -> bool:
+    """Whether the row's balancer drops or reroutes pairs (capacity routing: qb_capacity, qb_both)."""
+    return getattr(config, "moe_balancer", None) in ("qb_capacity", "qb_both")
+
+
+class CapacityCounters:
+    """Dropped and rerouted (token, slot) pairs of the timed steps over every MoE layer and the global batch, read
+    through training's ``collect_moe_metrics`` (keys ``moe/dropped``, ``moe/rerouted``). The routers' step sums
+    accumulate until reset, so they are reset after the warm-up and read once after the timed steps: no host
+    read or collective inside them (training instead reads or zeroes them every step)."""
+
+    def __init__(self, bias_group):
+        self.bias_group = bias_group
+
+    def reset(self, chunks) -> None:
+        from megatron_ext.moe.metrics import reset_moe_step_statistics
+
+        reset_moe_step_statistics(chunks)
+
+    def read(self, chunks) -> dict:
+        from megatron.core import parallel_state as ps
+
+        from megatron_ext.moe.metrics import collect_moe_metrics
+
+        scalars = collect_moe_metrics(chunks, ps.get_expert_model_parallel_group(), dp_group=self.bias_group,
+                                      pp_group=ps.get_pipeline_model_parallel_group()).scalars()
+        return {"dropped": int(scalars["moe/dropped"]), "rerouted": int(scalars["moe/rerouted"])}
 
 
 def stock_config(sizes: dict, cuda: bool):
@@ -107,12 +160,13 @@ def stock_config(sizes: dict, cuda: bool):
 
 
 def build_stock_chunks(config, sizes: dict, seq: int, attention: str) -> list:
+    """Megatron-Core's local-spec ``GPTModel``; ``attention`` (:data:`STOCK_ATTENTION`): its core attention."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     normalization="RMSNorm")
-    if attention == "sdpa":
+    if attention == "SDPA":
         from megatron_ext.layers.attention import SDPAttention
 
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
@@ -122,17 +176,19 @@ def build_stock_chunks(config, sizes: dict, seq: int, attention: str) -> list:
     return [model.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else model]
 
 
-def routing_layout(name: str, args, cuda: bool) -> tuple[bool | None, bool]:
-    """(moe_qb_host_reads, moe_qb_cuda_graph) of an ours_full row: see the module docstring."""
-    if "eager" in split_variant(name)[1]:
-        return None, False
-    graphed = args.qb_cuda_graph == "on" or (args.qb_cuda_graph == "auto" and cuda and dist.get_world_size() == 1
-                                              and args.qb_host_reads is not True)
-    return (False if graphed else args.qb_host_reads), graphed
+class RowSetup(NamedTuple):
+    build: Callable[[], list]  # the model chunks
+    config: object  # HybridConfig (ours) or TransformerConfig (stock)
+    after_step: Callable[[list], None] | None  # once per optimizer step (router biases)
+    flops_config: object  # what megatron_ext/flops.py counts
+    seq: int
+    micro_batch: int
+    counters: CapacityCounters | None  # capacity rows: dropped / rerouted pairs
+    config_keys: dict | None  # ours rows: the keys set (launch/train.py's names); the rest is training's default
 
 
-def variant_setup(name: str, args, cuda: bool):
-    """(build_chunks, config, after_step, flops_config, seq, micro_batch) of one variant."""
+def variant_setup(name: str, args, cuda: bool) -> RowSetup:
+    """Everything one row needs to build and time its training step."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext.moe.router import update_expert_biases
@@ -140,19 +196,18 @@ def variant_setup(name: str, args, cuda: bool):
 
     sizes = args.sizes
     seq, micro_batch = variant_shape(name, sizes)
-    row_base, options = split_variant(name)
-    base = ours_config(sizes, seq, techniques=False, cuda=cuda)
-    if row_base == "stock":
+    row_base = split_variant(name)[0]
+    if row_base in STOCK_ATTENTION:
         config = stock_config(sizes, cuda)
-        return (lambda: build_stock_chunks(config, sizes, seq, args.stock_attention),
-                config, None, base, seq, micro_batch)
-    host_reads, graphed = routing_layout(name, args, cuda)
-    config = ours_config(sizes, seq, techniques=row_base.startswith("ours_full"), cuda=cuda,
-                         qb_device_rounds=args.qb_device_rounds, qb_host_reads=host_reads, qb_cuda_graph=graphed,
-                         attn_res="no-attnres" not in options, qb_rounds_impl=qb_rounds_impl(name))
+        build = lambda: build_stock_chunks(config, sizes, seq, STOCK_ATTENTION[row_base])  # noqa: E731
+        flops = ours_config("ours_base", sizes, cuda)  # same layers and shape as ours_base: the same formula
+        return RowSetup(build, config, None, flops, seq, micro_batch, None, None)
+    config = ours_config(name, sizes, cuda)
     bias_group = ps.get_tensor_and_data_parallel_group(with_context_parallel=True)
 
     def after_step(chunks):  # once per optimizer step, as launch/train.py does
         update_expert_biases(chunks, bias_group)
 
-    return lambda: build_model_chunks(config), config, after_step, config, seq, micro_batch
+    counters = CapacityCounters(bias_group) if has_capacity_routing(config) else None
+    return RowSetup(lambda: build_model_chunks(config), config, after_step, config, seq, micro_batch, counters,
+                    row_config_keys(name, sizes))

@@ -1,4 +1,5 @@
-"""tools/bench_e2e.py --smoke: every variant's training step on the CPU, the JSON, the profile table."""
+"""tools/bench_e2e.py --smoke: every variant's training step on the CPU, the JSON, the profile table; the rows'
+configs (launch/train.py's), options and fields."""
 
 import json
 import re
@@ -9,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_e2e import format_table, write_json
+from tools.bench_e2e import H200_DATASHEET_BF16_TFLOPS, format_table, write_json
 from tools.e2e_rows import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]
-ROW_KEYS = {"name", "gpus", "seq", "tokens_per_sec", "tflops", "mfu", "peak_gb"}
+ROW_KEYS = {"name", "gpus", "seq", "step_ms", "optimizer_ms", "tokens_per_sec", "tflops", "mfu", "mfu_datasheet",
+            "peak_gb"}
+CAPACITY_ROWS = {"ours_full", "ours_full_16k"}
 
 
 def _start(tmp_path, *flags):
@@ -38,18 +41,33 @@ def test_smoke_times_every_variant_and_profiles_one(tmp_path):
 
     result = json.loads(out_json.read_text())
     assert {"rows", "device", "date", "peak_tflops_measured"} <= set(result) and result["device"] == "cpu"
-    assert result["peak_tflops_measured"] > 0
+    assert result["peak_tflops_measured"] > 0 and result["peak_tflops_datasheet"] == 989.0
+    assert "datasheet" in result["peak_datasheet"]
+    assert not {"qb_host_reads", "qb_cuda_graph", "qb_device_rounds"} & set(result)  # no such flags any more
     rows = {r["name"]: r for r in result["rows"]}
-    assert list(rows) == list(VARIANTS)
+    assert list(rows) == list(VARIANTS) and list(rows)[:2] == ["stock", "stock_sdpa"]
     for name, row in rows.items():
         assert "error" not in row, (name, row.get("error"))
         assert ROW_KEYS <= set(row) and row["gpus"] == 1
         assert row["tokens_per_sec"] > 0 and row["tflops"] > 0 and row["mfu"] > 0, name
+        assert row["mfu_datasheet"] == pytest.approx(row["tflops"] / 989.0), name
+        assert 0 < row["optimizer_ms"] <= row["step_ms"], name
+        if name in CAPACITY_ROWS:  # capacity 1.25 suffices at the smoke shape: nothing dropped
+            assert type(row["dropped"]) is int and type(row["rerouted"]) is int, name
+            assert row["dropped"] == 0 and row["rerouted"] >= 0, name
+            assert (row["qb_host_reads"], row["qb_cuda_graph"]) == (True, False)  # training's defaults
+        else:
+            assert "dropped" not in row and "rerouted" not in row, name
+    assert (rows["stock"]["attention"], rows["stock_sdpa"]["attention"]) == ("DotProductAttention", "SDPA")
+    assert rows["stock_sdpa"]["flops_per_token"] == rows["stock"]["flops_per_token"]
     assert rows["ours_base_16k"]["seq"] == 2 * rows["ours_base"]["seq"]
     # One formula for every row: stock and ours_base have the same layers, so the same FLOPs.
     assert rows["stock"]["flops_per_token"] == rows["ours_base"]["flops_per_token"]
     assert rows["ours_full"]["flops_per_token"] != rows["ours_base"]["flops_per_token"]
-    assert stdout.rstrip().splitlines()[-1].split("|")[0].strip() == "ours_full_16k"  # the table is last
+    lines = stdout.rstrip().splitlines()
+    assert lines[-1].split("|")[0].strip() == "ours_full_16k"  # the table is last
+    header = [cell.strip() for cell in lines[-1 - len(rows)].split("|")]
+    assert {"optim ms", "MFU meas.", "MFU 989", "dropped", "rerouted"} <= set(header)
 
     table = out_md.read_text()
     assert "ours_full" in table and "| 1 | `" in table and "| 30 | `" in table
@@ -84,64 +102,118 @@ def test_two_gpu_rows_get_their_scaling_efficiency(tmp_path):
     assert "scaling_efficiency" not in rows[("stock", 2)] and "scaling_efficiency" not in rows[("ours_base", 1)]
 
 
-def test_eager_rows_parse_with_repeats_and_the_routing_layout_follows_the_flags(capsys, monkeypatch):
+def test_option_rows_parse_with_repeats_and_graphed_needs_one_gpu(capsys, monkeypatch):
+    from tools.bench_e2e import parse_args
+    from tools.e2e_rows import GPU_SIZES, variant_shape
+
+    args = parse_args(["--variants", "ours_full_16k,ours_full_16k+graphed,ours_full_16k,ours_full_16k+graphed"])
+    assert args.variants == ["ours_full_16k", "ours_full_16k+graphed"] * 2  # ABAB stays in order
+    assert variant_shape("ours_full_16k+graphed", GPU_SIZES) == variant_shape("ours_full_16k", GPU_SIZES)
+    assert variant_shape("ours_full+graphed", GPU_SIZES) == (GPU_SIZES["seq"], GPU_SIZES["micro_batch"])
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--variants", "ours_full+graphed"])
+    assert "+graphed replays the capacity routing from CUDA graphs: it needs a CUDA GPU" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun with two ranks
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "ours_full+graphed"])
+    assert "one GPU only" in capsys.readouterr().err
+    for removed in (["--qb-cuda-graph", "on"], ["--qb-host-reads", "off"], ["--qb-device-rounds", "2"],
+                    ["--stock-attention", "sdpa"]):
+        with pytest.raises(SystemExit):
+            parse_args(removed)
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def _config(name, monkeypatch):
     import torch.distributed as dist
 
-    from tools.bench_e2e import parse_args
-    from tools.e2e_rows import GPU_SIZES, routing_layout, variant_shape
+    from tools.e2e_rows import SMOKE_SIZES, ours_config
 
-    args = parse_args(["--variants", "ours_full_16k,ours_full_16k+eager,ours_full_16k,ours_full_16k+eager"])
-    assert args.variants == ["ours_full_16k", "ours_full_16k+eager"] * 2  # ABAB stays in order
-    assert variant_shape("ours_full_16k+eager", GPU_SIZES) == variant_shape("ours_full_16k", GPU_SIZES)
-    assert variant_shape("ours_full+eager", GPU_SIZES) == (GPU_SIZES["seq"], GPU_SIZES["micro_batch"])
-    with pytest.raises(SystemExit):
-        parse_args(["--variants", "ours_base+eager"])  # the base rows have no capacity routing
-    assert "apply to the ours_full rows" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # kernel layouts are no row option: another commit is the A/B
-        parse_args(["--variants", "ours_full@state-bv32"])
-    assert "unknown row 'ours_full@state-bv32'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_args(["--variants", "ours_ful"])
-    assert "unknown row 'ours_ful'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_args(["--smoke", "--qb-cuda-graph", "on"])
-    assert "needs a CUDA GPU" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        parse_args(["--qb-cuda-graph", "on", "--qb-host-reads", "on"])
-
-    def layout(name, *flags, cuda=True):
-        return routing_layout(name, parse_args(list(flags)), cuda)
-
-    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)  # a one-GPU run
-    assert layout("ours_full_16k") == (False, True)  # auto: graphs on one GPU
-    assert layout("ours_full_16k", cuda=False) == (None, False)  # the CPU smoke run keeps the defaults
-    assert layout("ours_full_16k+eager") == (None, False)
-    assert layout("ours_full", "--qb-cuda-graph", "off") == (None, False)
-    assert layout("ours_full", "--qb-host-reads", "on") == (True, False)  # reads asked for: no graphs
-    assert layout("ours_full", "--qb-cuda-graph", "off", "--qb-host-reads", "off") == (False, False)
-    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)  # EP2: HybridConfig's defaults
-    assert layout("ours_full_16k") == (None, False)
-
-
-def test_row_names_split_into_base_and_options(monkeypatch):
-    """``+torch-rounds`` is the row's config (``moe_qb_rounds_impl``), no module constant."""
-    import torch.distributed as dist
-
-    from tools.bench_e2e import parse_args
-    from tools.e2e_rows import SMOKE_SIZES, ours_config, qb_rounds_impl, split_variant
-
-    name = "ours_full_16k+eager+torch-rounds"
-    assert parse_args(["--variants", name]).variants == [name]
-    assert split_variant(name) == ("ours_full_16k", {"eager", "torch-rounds"})
-    assert (qb_rounds_impl(name), qb_rounds_impl("ours_full_16k")) == ("torch", None)
     monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
-    config = ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False, qb_rounds_impl=qb_rounds_impl(name))
-    assert config.moe_qb_rounds_impl == "torch"
-    assert ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False).moe_qb_rounds_impl == "auto"
+    return ours_config(name, SMOKE_SIZES, cuda=False)
+
+
+def test_ours_rows_are_what_launch_train_builds_from_their_keys(tmp_path, monkeypatch):
+    """The row's HybridConfig equals launch/train.py's from a YAML file of the row's keys: training's defaults."""
+    import dataclasses
+
+    import yaml
+
+    from launch.train import model_section
+    from megatron_ext.config import HybridConfig
+    from megatron_ext.training.arguments import TRAINING_SECTIONS, load_config
+    from tools.e2e_rows import SMOKE_SIZES, row_config_keys
+
+    for name in ("ours_base", "ours_full_16k"):
+        row = _config(name, monkeypatch)
+        seq = SMOKE_SIZES["long_seq" if name.endswith("_16k") else "seq"]
+        yaml_file = tmp_path / f"{name}.yaml"
+        yaml_file.write_text(yaml.safe_dump({**row_config_keys(name, SMOKE_SIZES), "seq_length": seq}))
+        trained = load_config([*TRAINING_SECTIONS, model_section()], ["--config", str(yaml_file)],
+                              world_size=1)[HybridConfig]
+        differing = {f.name for f in dataclasses.fields(HybridConfig)
+                     if not callable(getattr(row, f.name)) and getattr(row, f.name) != getattr(trained, f.name)}
+        assert differing == set(), (name, differing)
+    full = _config("ours_full", monkeypatch)
+    defaults = HybridConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    assert (full.moe_qb_host_reads, full.moe_qb_cuda_graph) == (defaults.moe_qb_host_reads, False)
+    assert full.moe_qb_device_rounds == defaults.moe_qb_device_rounds
+
+
+def test_row_options_set_their_config_keys(monkeypatch):
+    """Each ``+option`` changes exactly its keys of the ours_full row's config."""
+    import dataclasses
+
+    from tools.e2e_rows import OPTION_KEYS, SMOKE_SIZES, row_config_keys, split_variant
+
+    name = "ours_full_16k+graphed+torch-rounds"
+    assert split_variant(name) == ("ours_full_16k", {"graphed", "torch-rounds"})
+    assert row_config_keys(name, SMOKE_SIZES)["moe_qb_cuda_graph"] is True
+    plain = _config("ours_full", monkeypatch)
+    for option, keys in OPTION_KEYS.items():
+        if option == "graphed":  # a CUDA graph of the capacity routing cannot be built on the CPU: keys only
+            assert keys == {"moe_qb_host_reads": False, "moe_qb_cuda_graph": True}
+            continue
+        config = _config(f"ours_full+{option}", monkeypatch)
+        differing = {f.name for f in dataclasses.fields(config)
+                     if not callable(getattr(config, f.name))  # init functions: a new closure per config
+                     and getattr(config, f.name) != getattr(plain, f.name)}
+        assert differing == set(keys), option
+        assert all(getattr(config, key) == value for key, value in keys.items()), option
+
+
+def test_capacity_counters_sum_the_timed_steps(monkeypatch, leaves_no_process_group):
+    """With too little capacity pairs are dropped, and the count grows with the timed steps (warm-up excluded)."""
+    from tools import bench_e2e, e2e_rows
+
+    monkeypatch.setattr(e2e_rows, "CAPACITY_FACTOR", 0.5)
+    dropped = {}
+    for steps in (1, 2):
+        args = bench_e2e.parse_args(["--smoke", "--variants", "ours_full", "--steps", str(steps), "--warmup", "1"])
+        row = bench_e2e.run(args, log=lambda *a: None)["rows"][0]
+        assert "error" not in row, row["error"]
+        dropped[steps] = row["dropped"]
+    assert dropped[1] > 0 and dropped[2] == 2 * dropped[1]
+
+
+@pytest.fixture
+def leaves_no_process_group():
+    """bench_e2e.run joins a one-process gloo group in this process (and sets MASTER_PORT for it): leave the group
+    and the environment as they were found, so later subprocesses pick their own port."""
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(environ)
 
 
 @pytest.mark.parametrize("name,message", [("ours_full+fast", "unknown option '\\+fast'"),
-                                          ("ours_base+eager", "apply to the ours_full rows"),
+                                          ("ours_base+graphed", "apply to the ours_full rows"),
+                                          ("stock_sdpa+no-attnres", "apply to the ours_full rows"),
+                                          ("ours_full+eager", "unknown option '\\+eager'"),
                                           ("ours_full_16k@state-bv32", "unknown row")])
 def test_unknown_or_misplaced_row_options_are_refused(name, message, capsys):
     from tools.bench_e2e import parse_args
@@ -149,24 +221,3 @@ def test_unknown_or_misplaced_row_options_are_refused(name, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--variants", name])
     assert re.search(message, capsys.readouterr().err)
-
-
-def test_no_attnres_rows_build_the_same_model_with_standard_residuals(monkeypatch):
-    """``ours_full+no-attnres``: AttnRes off, everything else as the ours_full row (its overhead A/B)."""
-    import dataclasses
-
-    import torch.distributed as dist
-
-    from tools.bench_e2e import parse_args
-    from tools.e2e_rows import SMOKE_SIZES, ours_config, split_variant
-
-    monkeypatch.setattr(dist, "get_world_size", lambda *a: 1)
-    assert parse_args(["--variants", "ours_full_16k+no-attnres"]).variants == ["ours_full_16k+no-attnres"]
-    assert "no-attnres" in split_variant("ours_full_16k+no-attnres")[1]
-    with_attn_res = ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False)
-    without = ours_config(SMOKE_SIZES, 64, techniques=True, cuda=False, attn_res=False)
-    assert with_attn_res.attn_res and not without.attn_res
-    differing = {f.name for f in dataclasses.fields(without)
-                 if not callable(getattr(without, f.name))  # init functions: a new closure per config
-                 and getattr(without, f.name) != getattr(with_attn_res, f.name)}
-    assert differing == {"attn_res"}

@@ -274,7 +274,9 @@ def count_step(variant: str = "ours_full", warmup: int = 2) -> OpCounter:
     bench_common.init_process_group(cuda=False)
     bench_common.init_expert_parallel(seed=1234)
     try:
-        build, config, after_step, _flops, seq, micro_batch = e2e_rows.variant_setup(variant, args, cuda=False)
+        setup = e2e_rows.variant_setup(variant, args, cuda=False)
+        build, config, after_step, seq, micro_batch = (setup.build, setup.config, setup.after_step, setup.seq,
+                                                       setup.micro_batch)
         chunks, optimizer = bench_common.build_training_state(build, config, fast_step=True)
         batch = [bench_common.synthetic_batch(args.sizes["vocab"], seq, micro_batch, torch.device("cpu"))]
         counter = OpCounter()
