@@ -20,6 +20,13 @@ inside (it is built in the forward).
     torchrun --nproc-per-node 2 tools/bench_moe.py --out docs/bench/moe-h200-ep2.json   # EP2
     python tools/bench_moe.py --smoke --out /tmp/moe.json                 # CPU, tiny, gloo
 
+``--scores FILE`` (``tools/router_scores.py --scores-out``): every variant routes a trained checkpoint's
+recorded scores instead of its own router's (the most skewed MoE layer, or ``--scores-layer``; rows tiled to
+the token count; E and top-k from the file), straight-through: the values are the recorded ones, the gradient
+flows through the router's own scores as in training. qb_bias takes the recorded selection bias (what its
+training state would hold); topk and qb_capacity have none. This times the layer under the skew training
+meets.
+
 With torchrun each rank routes its own 16k tokens and EP = world size (TP = PP = 1). Rows with
 ``gpus`` = world size; run both and merge if one file is wanted. A variant that raises is
 reported as ``null`` with ``<variant>_error`` and the others still run (e.g. ``--smoke`` under
@@ -58,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=None, help="timed iterations (default 20; smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="default 5; smoke 1")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--scores", default=None, help="recorded scores (tools/router_scores.py --scores-out)")
+    p.add_argument("--scores-layer", type=int, default=None, help="its layer (default: the most skewed)")
     p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny sizes, gloo: checks the code path")
     p.add_argument("--out", default=None, help="JSON path (default docs/bench/moe-h200.json; none for --smoke)")
     args = p.parse_args(argv)
@@ -71,6 +80,14 @@ def parse_args(argv=None):
     if not args.smoke and args.iters < 10:
         p.error("--iters must be >= 10 for GPU timings")
     args.experts = [int(e) for e in args.experts.split(",")]
+    args.recorded = None
+    if args.scores:
+        from tools.router_scores import load_scores
+
+        scores, bias, layer, meta = load_scores(args.scores, args.scores_layer)
+        args.recorded = dict(scores=scores, bias=bias, layer=layer, how=meta["how"], file=args.scores,
+                             topk_max_vio=meta["topk_max_vio"][layer])
+        args.experts, args.topk = [scores.shape[1]], meta["topk"]
     args.variants = [v for v in args.variants.split(",") if v]
     bad = sorted(set(args.variants) - set(VARIANTS))
     if bad:
@@ -130,7 +147,38 @@ def build_layer(args, num_experts: int, variant: str):
 
         layer = MoELayer(config, pgs)
     device = torch.device("cpu") if args.smoke else torch.device("cuda", torch.cuda.current_device())
-    return layer.to(device).train(), config.params_dtype, device
+    layer = layer.to(device).train()
+    if args.recorded is not None:
+        route_recorded_scores(layer, variant, args.recorded, args.tokens, device)
+    return layer, config.params_dtype, device
+
+
+def route_recorded_scores(layer, variant: str, recorded: dict, num_tokens: int, device) -> None:
+    """Make ``layer``'s router see ``recorded["scores"]`` (tiled to ``num_tokens`` rows) in place of its own, keeping
+    the gradient path of its own (straight-through); qb_bias also takes the recorded bias."""
+    from tools.router_scores import tile_rows
+
+    scores = tile_rows(recorded["scores"], num_tokens, seed=dist.get_rank()).to(device)
+    router = layer.router
+    if variant == "megatron":  # Megatron's router takes logits from gating() and applies the sigmoid itself
+        own_gating, logits = router.gating, torch.logit(scores.double().clamp(1e-6, 1 - 1e-6)).float()
+
+        def gating(hidden):
+            own = own_gating(hidden)
+            return own + (logits.view_as(own).to(own.dtype) - own).detach()
+
+        router.gating = gating
+        return
+    own_scores = router.scores
+
+    def recorded_scores(hidden):
+        own = own_scores(hidden)
+        return own + (scores - own).detach()
+
+    router.scores = recorded_scores
+    if variant == "qb_bias" and recorded["bias"] is not None:
+        with torch.no_grad():
+            router.expert_bias.copy_(recorded["bias"].to(device))
 
 
 def time_variant(args, num_experts: int, variant: str) -> float:
@@ -174,7 +222,10 @@ def run(args, log=print) -> dict:
                 shown = "failed" if row[key] is None else f"{row[key]:.2f} ms"
                 log(f"> E={num_experts:4d} gpus={world} tokens/rank={args.tokens} {variant:>11}: {shown}")
         rows.append(row)
-    result = {"rows": rows, "device": device_name, "date": datetime.date.today().isoformat(),
+    scores = "Megatron's router init (near uniform)"
+    if args.recorded is not None:
+        scores = {key: args.recorded[key] for key in ("file", "layer", "how", "topk_max_vio")}
+    result = {"rows": rows, "scores": scores, "device": device_name, "date": datetime.date.today().isoformat(),
               "dtype": "fp32" if args.smoke else "bf16", "capacity_factor": CAPACITY_FACTOR,
               "megatron_experts": "TEGroupedMLP" if _have_te() else "SequentialMLP",
               "torch": torch.__version__, "smoke": args.smoke}

@@ -1,7 +1,10 @@
 """Time the quantile-balancing routing math against plain top-k.
 
 Default shape: N = 65536 tokens, E = 256 experts, k = 8, fp32 sigmoid scores with per-expert
-offsets (so capacity mode has real overflow work), on CUDA when present. Ops:
+offsets (so capacity mode has real overflow work), on CUDA when present. ``--scores FILE`` (from
+``tools/router_scores.py``) routes a trained checkpoint's recorded scores instead, with its router's
+bias: the most skewed MoE layer (or ``--scores-layer``), its rows tiled to N; E and k come from the file.
+Ops:
 
 * ``torch.topk``: the bare selection (DESIGN.md section 8 quotes 0.90 ms on an H200);
 * ``topk_routing``: top-k + gates, the baseline the ratios are against;
@@ -25,12 +28,14 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from megatron_ext.moe.quantile import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from megatron_ext.moe.quantile import (  # noqa: E402
     capacity_routing,
     dual_bias_histogram,
     dual_bias_range,
@@ -47,6 +52,8 @@ def parse_args(argv=None):
     parser.add_argument("--capacity-factor", type=float, nargs="+", default=[1.0, 1.25])
     parser.add_argument("--num-bins", type=int, default=1000)
     parser.add_argument("--skew", type=float, default=1.0, help="spread of per-expert logit offsets")
+    parser.add_argument("--scores", default=None, help="recorded scores (tools/router_scores.py --scores-out)")
+    parser.add_argument("--scores-layer", type=int, default=None, help="its layer (default: the most skewed)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -72,18 +79,29 @@ def median_ms(fn, repeats, warmup, device):
 
 
 def make_scores(args, device):
+    """(scores [N, E], selection bias or None, what they are): synthetic, or recorded (``--scores``), which also
+    sets ``args.num_experts`` and ``args.k``."""
+    if args.scores:
+        from tools.router_scores import load_scores, tile_rows
+
+        recorded, bias, layer, meta = load_scores(args.scores, args.scores_layer)
+        args.num_experts, args.k = recorded.shape[1], meta["topk"]
+        source = dict(file=args.scores, layer=layer, recorded_tokens=recorded.shape[0], how=meta["how"],
+                      topk_max_vio=meta["topk_max_vio"][layer])
+        bias = None if bias is None else bias.to(device)
+        return tile_rows(recorded, args.num_tokens).to(device), bias, source
     gen = torch.Generator(device=device).manual_seed(0)
     offsets = torch.linspace(-args.skew, args.skew, args.num_experts, device=device)
     logits = torch.randn(args.num_tokens, args.num_experts, generator=gen, device=device) + offsets
-    return logits.sigmoid()
+    return logits.sigmoid(), None, dict(skew=args.skew)
 
 
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device(args.device)
-    scores = make_scores(args, device)
+    scores, selection_bias, source = make_scores(args, device)
     k, n, e = args.k, args.num_tokens, args.num_experts
-    bias = torch.zeros(e, device=device)
+    bias = torch.zeros(e, device=device) if selection_bias is None else selection_bias
     lo, hi = dual_bias_range(bias)
     counts = dual_bias_histogram(scores, bias, k, lo, hi, args.num_bins)
 
@@ -96,7 +114,8 @@ def main(argv=None):
 
     ops = {
         "torch.topk": (lambda: scores.topk(k, dim=1), None),
-        "topk_routing": (lambda: topk_routing(scores, k), lambda: load_stats(topk_routing(scores, k))),
+        "topk_routing": (lambda: topk_routing(scores, k, selection_bias),
+                         lambda: load_stats(topk_routing(scores, k, selection_bias))),
     }
     # (label, host reads, rounds): the one-rank rounds as PyTorch ops / Triton kernels
     kinds = [("reads torch", True, "torch"), ("no-reads torch", False, "torch")]
@@ -105,7 +124,8 @@ def main(argv=None):
     for cf in args.capacity_factor:
         for label, host_reads, rounds in kinds:
             def run(cf=cf, host_reads=host_reads, rounds=rounds):
-                return capacity_routing(scores, k, cf, num_bins=args.num_bins, host_reads=host_reads, rounds=rounds)
+                return capacity_routing(scores, k, cf, bias=selection_bias, num_bins=args.num_bins,
+                                        host_reads=host_reads, rounds=rounds)
             ops[f"capacity cf={cf:g} {label}"] = (run, lambda run=run: load_stats(run()))
     ops["dual_bias_histogram"] = (lambda: dual_bias_histogram(scores, bias, k, lo, hi, args.num_bins), None)
     ops["dual_bias_update"] = (lambda: dual_bias_update(counts, lo, hi, k), None)
@@ -120,7 +140,7 @@ def main(argv=None):
         row["vs_topk_routing"] = row["ms"] / baseline
 
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {device_name}   N={n} E={e} k={k} bins={args.num_bins} skew={args.skew}")
+    print(f"device: {device_name}   N={n} E={e} k={k} bins={args.num_bins} scores={source}")
     print(f"{'op':<34}{'ms (median)':>12}{'x topk_routing':>16}{'MaxVio':>8}{'dropped':>9}{'rerouted':>10}"
           f"{'rounds':>8}")
     for row in rows:
@@ -131,7 +151,7 @@ def main(argv=None):
         result = {
             "device": device_name, "torch": torch.__version__,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "shape": {"num_tokens": n, "num_experts": e, "k": k, "num_bins": args.num_bins, "skew": args.skew},
+            "shape": {"num_tokens": n, "num_experts": e, "k": k, "num_bins": args.num_bins}, "scores": source,
             "repeats": args.repeats, "baseline": "topk_routing", "results": rows,
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

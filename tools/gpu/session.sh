@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine call that checks and times everything (see docs/benchmarks.md).
 # Usage on the GPU machine, from the repo root, with the cp312 wheels in .whl/:
-#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-config,moe,routing,kda,
+#   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-config,moe,routing,skew,kda,
 #                                          e2e,e2e-ab,e2e2,profile (and moe2, rmsnorm)
 # Each step has its own time limit, logs to $OUT/session.log and writes its JSON under $OUT.
 # Independent steps can share one call on a two-GPU machine, one track per GPU:
@@ -43,6 +43,15 @@ step attnres-config ${ATTNRES_CONFIG_LIMIT:-420} python3 tools/dev/bench_attnres
 step moe ${MOE_LIMIT:-60} python3 tools/bench_moe.py --out "$OUT/moe-h200.json"
 step moe2 ${MOE_LIMIT:-60} torchrun --standalone --nproc-per-node 2 tools/bench_moe.py --out "$OUT/moe-h200x2.json"
 step routing 45 python3 tools/dev/bench_routing.py --out "$OUT/routing-h200.json"
+# The skew training meets: configs/h200.yaml trained SKEW_ITERS iterations, its routers' scores recorded on held-out
+# data (tools/router_scores.py), then the routing and the MoE layer timed on those scores
+SKEW_DIR=/tmp/skew; SKEW_ITERS=${SKEW_ITERS:-100}
+step skew ${SKEW_LIMIT:-480} bash -c "rm -rf $SKEW_DIR && python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+  launch/train.py --config configs/h200.yaml --train-iters $SKEW_ITERS --save $SKEW_DIR/ckpt --save-interval $SKEW_ITERS \
+  --no-save-optim --metrics-dir $SKEW_DIR \
+  && python3 tools/router_scores.py $SKEW_DIR/ckpt --tokens 16384 --out $OUT/router-scores-h200.json --scores-out $SKEW_DIR/scores.pt \
+  && python3 tools/dev/bench_routing.py --scores $SKEW_DIR/scores.pt --out $OUT/routing-skew-h200.json \
+  && python3 tools/bench_moe.py --scores $SKEW_DIR/scores.pt --out $OUT/moe-skew-h200.json"
 step rmsnorm 60 python3 tools/dev/bench_rms_norm.py --out "$OUT/rms-norm-h200.json"
 # fla autotunes for minutes per shape (238 s at B4 T8192 H32). Its choices are Triton cache_results files: set
 # TRITON_CACHE_DIR to a carried folder (e.g. .ab/tcache) and pack its *.autotune.json into $OUT to reuse them
