@@ -206,24 +206,36 @@ def free_device_memory(device: torch.device) -> None:
 
 def training_step_fn(chunks: list, optimizer, vocab_size: int, seq: int, micro_batch: int,
                      after_step: Callable[[list], None] | None = None, profiler=None,
-                     optimizer_timer: RegionTimer | None = None) -> Callable[[], None]:
+                     optimizer_timer: RegionTimer | None = None, nan_guard: bool = False) -> Callable[[], None]:
     """One training step of built chunks on a fixed synthetic microbatch (this rank's own tokens: under EP
     every rank routes a different batch, as in training): zero the grads, forward + backward through
     Megatron's schedule, ``optimizer.step()`` (inside ``optimizer_timer`` when given), ``after_step(chunks)``,
-    ``profiler.step()``."""
+    ``profiler.step()``. ``nan_guard``: the update goes through training's ``NonFiniteGuard`` (launch/train.py's
+    default ``check_for_nan_in_loss_and_grad``: one host read of the loss and the grad norm before the update)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.training.nonfinite_guard import NonFiniteGuard
     from megatron_ext.training.step import forward_backward
 
     model_device = next(chunks[0].parameters()).device
     batch = [synthetic_batch(vocab_size, seq, micro_batch, model_device, seed=dist.get_rank())]
     timed_update = optimizer_timer if optimizer_timer is not None else contextlib.nullcontext()
+    guard = NonFiniteGuard(optimizer, loss_group=ps.get_pipeline_model_parallel_group()) if nan_guard else None
 
     def step():
         for c in chunks:
             c.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(chunks, batch, seq, micro_batch, read_loss=False)  # as launch/train.py: read when logged
+        # as launch/train.py: the loss stays on the device (the guard reads it with the grad norm)
+        loss = forward_backward(chunks, batch, seq, micro_batch, read_loss=False)
         with timed_update:
-            optimizer.step()
+            if guard is None:
+                optimizer.step()
+            else:
+                applied, _ = guard.step(loss)
+                if not applied:
+                    raise RuntimeError(f"non-finite loss or grad norm in a benchmark step: loss {guard.last_loss}, "
+                                       f"grad norm {guard.last_grad_norm}")
         if after_step is not None:
             after_step(chunks)
         if profiler is not None:
@@ -311,7 +323,7 @@ def build_training_state(build_chunks: Callable[[], list], config, fast_step: bo
 def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int, seq: int,
                        micro_batch: int, warmup: int, steps: int, after_step: Callable[[list], None] | None = None,
                        profiler=None, fast_step: bool = True, main_grad_dtype: str = "fp32",
-                       manual_gc: bool = True, counters=None) -> dict:
+                       manual_gc: bool = True, counters=None, nan_guard: bool = False) -> dict:
     """Median ms of one training step and of the ``optimizer.step()`` inside it (``optimizer_ms``: the same timed
     steps, a :class:`RegionTimer` around the update, read after the steps; both max over ranks), the peak
     memory (GB) of this rank and the gradient buffer's dtype
@@ -327,6 +339,7 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     no collection inside the timed window); False leaves the automatic collector on. ``counters``: an object
     with ``reset(chunks)``, called after the warm-up, and ``read(chunks) -> dict``, called after the timed
     steps (outside the timed region); its dict joins the result (e.g. dropped pairs summed over the timed steps).
+    ``nan_guard``: the update through training's NaN guard (:func:`training_step_fn`).
     """
     from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
 
@@ -337,7 +350,8 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     grad_dtype = next(p.main_grad.dtype for c in chunks for p in c.parameters() if hasattr(p, "main_grad"))
     model_device = next(chunks[0].parameters()).device
     optimizer_timer = RegionTimer(model_device.type == "cuda")
-    step = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch, after_step, profiler, optimizer_timer)
+    step = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch, after_step, profiler, optimizer_timer,
+                            nan_guard)
 
     try:
         with manual_gc_scope(manual_gc, 0):

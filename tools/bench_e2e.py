@@ -28,8 +28,9 @@ YAML names) and its ``HybridConfig`` is built by launch/train.py's own config lo
 ``model_section``, then ``validate_layout``), so every key a row does not set has training's default (e.g. the
 capacity routing reads the host, no CUDA graphs). Their optimizer is ``build_optimizer``'s default fast step
 (training's), their gradient buffer ``--main-grad-dtype`` (default ``auto``, training's default: bf16 where
-nothing accumulates, i.e. on one GPU). The step itself calls ``optimizer.step()`` without training's NaN guard
-(``NonFiniteGuard``, one host read per step) and reads no loss.
+nothing accumulates, i.e. on one GPU), their update goes through training's NaN guard (``NonFiniteGuard``, on by
+default in training: one host read of the loss and the grad norm per step, before the update). Stock rows call
+Megatron's ``optimizer.step()`` (its clipping reads the grad norm).
 
 A/B rows, not in the default list: ``NAME[+OPTION...]`` on an ours_full row, each option adding config keys:
 
@@ -51,7 +52,7 @@ Fields of a row (JSON; the printed table shows the starred ones):
 * ``step_ms``*: median step time (CUDA events around the whole step; max over ranks);
 * ``optimizer_ms``* (optim ms): median time of the ``optimizer.step()`` inside those same timed steps (Megatron's
   optimizer for stock, our fast step for ours), CUDA events around it read after the steps (no added sync; on
-  the CPU ``perf_counter``); max over ranks;
+  the CPU ``perf_counter``; ours rows include the NaN guard's host read); max over ranks;
 * ``tokens_per_sec``*, ``tflops``* (model TFLOP/s per GPU), ``flops_per_token``;
 * ``mfu``* (MFU meas.): ``tflops`` over the bf16 matmul peak measured in the same run (8192^3, median;
   ``peak_tflops_measured`` in the header); ``mfu_datasheet``* (MFU 989): ``tflops`` over
@@ -173,7 +174,7 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
             setup.build, setup.config, args.sizes["vocab"], seq, micro_batch, warmup, steps,
             after_step=setup.after_step, profiler=profiler, fast_step=not stock,
             main_grad_dtype="fp32" if stock else args.main_grad_dtype, manual_gc=not args.automatic_gc,
-            counters=setup.counters)
+            counters=setup.counters, nan_guard=not stock)
         row.update(measured_fields(timing, setup, world, args.peak_tflops), manual_gc=not args.automatic_gc)
     except Exception as exc:  # keep the other variants' rows; say why this one is missing
         if dist.get_rank() == 0:

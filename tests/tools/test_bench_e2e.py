@@ -221,3 +221,30 @@ def test_unknown_or_misplaced_row_options_are_refused(name, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--variants", name])
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_ours_rows_step_through_trainings_nan_guard(monkeypatch, leaves_no_process_group):
+    """The ours rows update through training's NonFiniteGuard (its host read is part of their step): a model whose
+    weights are NaN stops at the guard, before the update; the stock row has no guard and steps on."""
+    import torch
+
+    from tools import bench_e2e, e2e_rows
+
+    real_setup = e2e_rows.variant_setup
+
+    def poisoned_setup(name, args, cuda):
+        setup = real_setup(name, args, cuda)
+
+        def build():
+            chunks = setup.build()
+            with torch.no_grad():
+                next(chunks[0].parameters()).fill_(float("nan"))
+            return chunks
+
+        return setup._replace(build=build)
+
+    monkeypatch.setattr(bench_e2e, "variant_setup", poisoned_setup)
+    args = bench_e2e.parse_args(["--smoke", "--variants", "ours_base,stock", "--steps", "1", "--warmup", "0"])
+    rows = {row["name"]: row for row in bench_e2e.run(args, log=lambda *a: None)["rows"]}
+    assert "non-finite loss or grad norm in a benchmark step" in rows["ours_base"]["error"]
+    assert "error" not in rows["stock"], rows["stock"].get("error")
