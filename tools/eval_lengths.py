@@ -309,20 +309,26 @@ def run(args, log=print) -> dict:
                   device=device, dtype=dtype, data=described, tokens_per_length=args.tokens,
                   batch_tokens=batch_tokens, rows=rows)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        log(f"> wrote {args.out}")
+        write_json(args.out, result, log)
     if args.plot:
         plot_series({result["label"]: rows}, args.plot, train_length)
         log(f"> wrote {args.plot}")
     return result
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def write_json(path: str, result: dict, log=print) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"> wrote {path}")
+
+
+def run_checkpoint_tool(parser: argparse.ArgumentParser, run_fn, argv=None) -> int:
+    """A checkpoint tool's ``main``: parse, ``run_fn(args)``, a usage error as one line (exit 2); the one-process
+    group the model was loaded in is left either way."""
+    args = parser.parse_args(argv)
     try:
-        run(args)
+        run_fn(args)
     except (UsageError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -332,6 +338,10 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def main(argv=None) -> int:
+    return run_checkpoint_tool(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

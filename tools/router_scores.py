@@ -28,13 +28,14 @@ they name one), tiled to their token count (:func:`tile_rows`).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tools.eval_lengths import UsageError, held_out_tokens, load_model, resolve_checkpoint  # noqa: E402
+from tools.eval_lengths import (  # noqa: E402
+    UsageError, held_out_tokens, load_model, resolve_checkpoint, run_checkpoint_tool, write_json,
+)
 
 LAYER_KEYS = ("layer", "experts", "topk", "tokens", "topk_max_vio", "unbiased_topk_max_vio", "expert_logit_spread",
               "token_logit_std", "capacity")
@@ -194,10 +195,7 @@ def run(args, log=print) -> dict:
                   balancer=saved.get("moe_balancer"), device=device, dtype=dtype, data=described, how=how,
                   layers=layers)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        log(f"> wrote {args.out}")
+        write_json(args.out, result, log)
     if args.scores_out:
         meta = dict(checkpoint=result["checkpoint"], iteration=iteration, how=how, topk=k,
                     topk_max_vio={s["layer"]: s["topk_max_vio"] for s in layers})
@@ -208,18 +206,7 @@ def run(args, log=print) -> dict:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except (UsageError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_checkpoint_tool(build_parser(), run, argv)
 
 
 if __name__ == "__main__":
