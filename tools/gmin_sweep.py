@@ -43,46 +43,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tools.eval_lengths import plot_series  # noqa: E402
+from tools.eval_lengths import UsageError  # noqa: E402
+from tools.gmin_report import plot_sweep, table, write_outputs  # noqa: E402
+from tools.gmin_settings import kernel_path, parse_setting, time_kernel  # noqa: E402
 
 DEFAULT_SETTINGS = "gmin-5,gmin-3,gmin-8,gmin-12,softplus,rope-full"
 SETTING_KEYS = ("name", "gate", "g_min", "kernel_path", "overrides", "status", "steps", "train_loss",
                 "train_curve", "tokens_per_s", "train_seconds", "heldout_loss_train_length", "lengths",
                 "kernel_ms", "nonfinite", "eval_seconds")
 SKIPPED_LINE = re.compile(r"the update was not applied")
-
-
-class UsageError(ValueError):
-    """A bad argument or file, named in the message."""
-
-
-def parse_setting(name: str) -> dict:
-    """{'name', 'gate', 'g_min', 'overrides'} of one setting name."""
-    if name == "softplus":
-        return dict(name=name, gate="softplus", g_min=None, overrides=["--kda-gate", "softplus"])
-    if name == "rope-full":
-        return dict(name=name, gate="none (full attention, RoPE)", g_min=None,
-                    overrides=["--attention-pattern", "A", "--position-embedding-type", "rope"])
-    match = re.fullmatch(r"gmin-(\d+(?:\.\d+)?)", name)
-    if not match or float(match.group(1)) <= 0:
-        raise UsageError(f"--settings: unknown setting {name!r}; use gmin-<X> (X > 0: g_min = -X), softplus or "
-                         "rope-full")
-    g_min = -float(match.group(1))
-    return dict(name=name, gate="lower_bound", g_min=g_min,
-                overrides=["--kda-gate", "lower_bound", "--kda-gate-lower-bound", repr(g_min)])
-
-
-def kernel_path(setting: dict) -> str:
-    from kimi_kernels.kda import DENSE_TILE_MIN_BOUND, dense_tiles_ok
-
-    if setting["gate"] == "lower_bound":
-        if dense_tiles_ok(setting["g_min"]):
-            return "dense diagonal tiles (g_min >= -5)"
-        return (f"per-position diagonal tiles: g_min {setting['g_min']:g} < {DENSE_TILE_MIN_BOUND:g}, where the dense "
-                "tiles' factor e^(15|g_min|) would overflow fp32")
-    if setting["gate"] == "softplus":
-        return "per-position diagonal tiles (unbounded gate)"
-    return "no KDA layers"
 
 
 def read_yaml(path: str) -> dict:
@@ -95,49 +64,6 @@ def read_yaml(path: str) -> dict:
     if not isinstance(values, dict):
         raise UsageError(f"--config: {path} is not a YAML mapping")
     return values
-
-
-# --------------------------------------------------------------------------- kernel speed
-
-
-def time_kernel(setting: dict, shape: dict, reps: int = 10) -> dict:
-    """Forward+backward of chunk_kda (bf16, in-kernel gate and L2 norm) at ``shape``: {'ms', 'shape'} or
-    {'skipped': why}."""
-    import torch
-
-    if setting["gate"] not in ("lower_bound", "softplus"):
-        return dict(skipped="no KDA layers")
-    if not torch.cuda.is_available():
-        return dict(skipped="CPU: the kernel is timed on CUDA only")
-    from kimi_kernels.kda import chunk_kda
-
-    B, T, H, D = shape["B"], shape["T"], shape["H"], shape["D"]
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
-    q, k, v, f = (rnd(B, T, H, D).to(torch.bfloat16).requires_grad_() for _ in range(4))
-    beta = torch.rand(B, T, H, device="cuda", generator=gen).to(torch.bfloat16).requires_grad_()
-    A_log = torch.zeros(H, device="cuda", requires_grad=True)
-    dt_bias = torch.zeros(H * D, device="cuda", requires_grad=True)
-    do = rnd(B, T, H, D).to(torch.bfloat16)
-    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-              lower_bound=setting["g_min"])
-
-    def step():
-        o, _ = chunk_kda(q, k, v, f, beta, **kw)
-        o.backward(do)
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return dict(ms=round(statistics.median(times), 3), shape=f"B{B} T{T} H{H} D{D}", reps=reps)
 
 
 # --------------------------------------------------------------------------- one setting
@@ -268,68 +194,6 @@ def eval_setting(setting: dict, args, run_dir: str, timeout: float, log) -> dict
 
 
 # --------------------------------------------------------------------------- the sweep
-
-
-def write_outputs(summary: dict, args, log) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    tmp = args.json + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(tmp, args.json)
-    if args.plot:
-        try:
-            plot_sweep(summary, args.plot)
-        except Exception as exc:  # the JSON is what matters; say why the plot is missing
-            log(f"    plot failed: {exc}")
-
-
-def plot_sweep(summary: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for s in summary["settings"]:
-        curve = [(i, x) for i, x in s.get("train_curve") or [] if math.isfinite(x)]
-        if curve:
-            a.plot(*zip(*curve), label=s["name"])
-        rows = [r for r in s.get("lengths") or [] if r.get("loss") is not None and math.isfinite(r["loss"])]
-        if rows:
-            b.plot([r["length"] for r in rows], [r["loss"] for r in rows], marker="o", label=s["name"])
-    a.set_xlabel("iteration")
-    a.set_ylabel("training loss (nats/token)")
-    a.set_title("training loss")
-    b.axvline(summary["train_length"], color="grey", linestyle=":", label="training length")
-    b.set_xscale("log", base=2)
-    b.set_xlabel("context length (tokens)")
-    b.set_ylabel("held-out loss (nats/token)")
-    b.set_title("held-out loss vs context length")
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"g_min sweep: {summary['config']} ({summary['device']})", fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def table(summary: dict) -> str:
-    lines = [f"{'setting':<10} {'steps':>5} {'train':>7} {'held@1x':>8} {'held@max':>8} {'past-train':>10} "
-             f"{'kernel ms':>9} {'nonfinite':>9}  status"]
-    for s in summary["settings"]:
-        rows = [r for r in s.get("lengths") or [] if r.get("loss") is not None]
-        last = rows[-1] if rows else {}
-        nf = s.get("nonfinite") or {}
-        nonfinite = sum(v for v in nf.values() if isinstance(v, int)) + (s.get("heldout_nonfinite") or 0)
-        fmt = lambda x: f"{x:.4f}" if isinstance(x, (int, float)) and x is not None else "-"  # noqa: E731
-        kernel = (s.get("kernel_ms") or {}).get("ms")
-        lines.append(f"{s['name']:<10} {s.get('steps', 0):>5} {fmt(s.get('train_loss')):>7} "
-                     f"{fmt(s.get('heldout_loss_train_length')):>8} {fmt(last.get('loss')):>8} "
-                     f"{fmt(last.get('loss_beyond_train')):>10} {kernel if kernel is not None else '-':>9} "
-                     f"{nonfinite:>9}  {s.get('status', '')}")
-    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:

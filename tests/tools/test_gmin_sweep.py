@@ -105,7 +105,7 @@ def test_gmin_sweep_bad_arguments_are_named(args, names, tmp_path):
 
 
 def test_setting_names_and_kernel_paths():
-    from tools.gmin_sweep import kernel_path, parse_setting
+    from tools.gmin_settings import kernel_path, parse_setting
 
     assert parse_setting("gmin-12")["g_min"] == -12.0
     assert "--kda-gate-lower-bound" in parse_setting("gmin-3")["overrides"]
