@@ -11,6 +11,6 @@ for branch in "$@"; do
   git rev-parse --verify --quiet "$branch" > /dev/null || { echo "no branch '$branch'" >&2; exit 2; }
   dest=".ab/$branch"
   rm -rf "$dest" && mkdir -p "$dest"
-  git archive "$branch" kernels megatron_ext tools tests configs launch pyproject.toml | tar -x -C "$dest"
+  git archive "$branch" kimi_kernels megatron_ext tools tests configs launch pyproject.toml | tar -x -C "$dest"
   echo "staged $branch ($(git rev-parse --short "$branch")) in $dest ($(du -sh "$dest" | cut -f1))"
 done
