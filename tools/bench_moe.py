@@ -84,10 +84,9 @@ def parse_args(argv=None):
     if args.scores:
         from tools.router_scores import load_scores
 
-        scores, bias, layer, meta = load_scores(args.scores, args.scores_layer)
-        args.recorded = dict(scores=scores, bias=bias, layer=layer, how=meta["how"], file=args.scores,
-                             topk_max_vio=meta["topk_max_vio"][layer])
-        args.experts, args.topk = [scores.shape[1]], meta["topk"]
+        scores, bias, source = load_scores(args.scores, args.scores_layer)
+        args.recorded = dict(scores=scores, bias=bias, source=source)
+        args.experts, args.topk = [scores.shape[1]], source["topk"]
     args.variants = [v for v in args.variants.split(",") if v]
     bad = sorted(set(args.variants) - set(VARIANTS))
     if bad:
@@ -222,9 +221,7 @@ def run(args, log=print) -> dict:
                 shown = "failed" if row[key] is None else f"{row[key]:.2f} ms"
                 log(f"> E={num_experts:4d} gpus={world} tokens/rank={args.tokens} {variant:>11}: {shown}")
         rows.append(row)
-    scores = "Megatron's router init (near uniform)"
-    if args.recorded is not None:
-        scores = {key: args.recorded[key] for key in ("file", "layer", "how", "topk_max_vio")}
+    scores = "Megatron's router init (near uniform)" if args.recorded is None else args.recorded["source"]
     result = {"rows": rows, "scores": scores, "device": device_name, "date": datetime.date.today().isoformat(),
               "dtype": "fp32" if args.smoke else "bf16", "capacity_factor": CAPACITY_FACTOR,
               "megatron_experts": "TEGroupedMLP" if _have_te() else "SequentialMLP",

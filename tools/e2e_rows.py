@@ -114,7 +114,9 @@ def ours_config(name: str, sizes: dict, cuda: bool):
 
 def has_capacity_routing(config) -> bool:
     """Whether the row's balancer drops or reroutes pairs (capacity routing: qb_capacity, qb_both)."""
-    return getattr(config, "moe_balancer", None) in ("qb_capacity", "qb_both")
+    from megatron_ext.moe.balancers import CAPACITY_BALANCERS
+
+    return getattr(config, "moe_balancer", None) in CAPACITY_BALANCERS
 
 
 class CapacityCounters:

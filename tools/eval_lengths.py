@@ -253,14 +253,19 @@ def plot_series(series: dict, path: str, train_length: int | None = None, title:
     plt.close(fig)
 
 
-def run(args, log=print) -> dict:
+def resolve_device(choice: str) -> str:
+    """``--device`` (auto / cuda / cpu) -> the device a checkpoint tool runs on."""
     import torch
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
+    return choice
+
+
+def run(args, log=print) -> dict:
+    device = resolve_device(args.device)
     for flag in ("tokens", "batch_tokens", "train_length"):
         value = getattr(args, flag)
         if value is not None and value < 1:

@@ -34,7 +34,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.eval_lengths import (  # noqa: E402
-    UsageError, held_out_tokens, load_model, resolve_checkpoint, run_checkpoint_tool, write_json,
+    UsageError, held_out_tokens, load_model, resolve_checkpoint, resolve_device, run_checkpoint_tool, write_json,
 )
 
 LAYER_KEYS = ("layer", "experts", "topk", "tokens", "topk_max_vio", "unbiased_topk_max_vio", "expert_logit_spread",
@@ -54,10 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def max_vio(experts, num_experts: int) -> float:
-    import torch
+    """MaxVio of a routing's ``[N, k]`` experts (dropped pairs, -1, left out), as training's metrics compute it."""
+    from megatron_ext.moe.metrics import max_violation
+    from megatron_ext.moe.router import expert_counts
 
-    load = torch.bincount(experts[experts >= 0].flatten(), minlength=num_experts).double()
-    return float(load.max() / load.mean() - 1)
+    return max_violation(expert_counts(experts, num_experts))
 
 
 def layer_summary(layer: int, scores, bias, k: int, capacity_factors: list[float]) -> dict:
@@ -128,17 +129,21 @@ def _layer_of(module_name: str) -> int:
 
 
 def load_scores(path: str, layer: int | None = None):
-    """(fp32 scores [N, E], bias [E] or None, layer, meta) from a ``--scores-out`` file: ``layer``, or the layer
-    whose plain top-k is most skewed (largest ``topk_max_vio``)."""
+    """(fp32 scores [N, E], bias [E] or None, what they are) from a ``--scores-out`` file: ``layer``, or the layer
+    whose plain top-k is most skewed (largest ``topk_max_vio``). What they are, for a benchmark's JSON: ``file``,
+    ``layer``, ``topk`` (the router's k), ``recorded_tokens``, ``how`` and the layer's ``topk_max_vio``."""
     import torch
 
     data = torch.load(path, map_location="cpu")
-    layers = data["scores"]
+    layers, meta = data["scores"], data["meta"]
     if layer is None:
-        layer = max(data["meta"]["topk_max_vio"].items(), key=lambda item: item[1])[0]
+        layer = max(meta["topk_max_vio"].items(), key=lambda item: item[1])[0]
     if layer not in layers:
         raise UsageError(f"{path}: no layer {layer}; it holds layers {sorted(layers)}")
-    return layers[layer].float(), data["bias"][layer], layer, data["meta"]
+    scores = layers[layer].float()
+    info = dict(file=path, layer=layer, topk=meta["topk"], recorded_tokens=scores.shape[0], how=meta["how"],
+                topk_max_vio=meta["topk_max_vio"][layer])
+    return scores, data["bias"][layer], info
 
 
 def tile_rows(scores, num_tokens: int, seed: int = 0):
@@ -154,9 +159,7 @@ def tile_rows(scores, num_tokens: int, seed: int = 0):
 def run(args, log=print) -> dict:
     import torch
 
-    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA device here")
+    device = resolve_device(args.device)
     if args.tokens < 1:
         raise UsageError(f"--tokens={args.tokens}: must be >= 1")
     try:
@@ -165,10 +168,10 @@ def run(args, log=print) -> dict:
         raise UsageError(f"--capacity-factors={args.capacity_factors!r}: expected numbers, e.g. 1.0,1.25") from None
     if not factors or any(f <= 0 for f in factors):
         raise UsageError(f"--capacity-factors={args.capacity_factors!r}: expected positive numbers")
-    resolve_checkpoint(args.checkpoint)  # fail on a bad path before any process group
+    _, _, ckpt = resolve_checkpoint(args.checkpoint)  # fail on a bad path before any process group
     from megatron_ext.training.checkpointing import common_state_of
 
-    saved0 = common_state_of(resolve_checkpoint(args.checkpoint)[2]).get("config") or {}
+    saved0 = common_state_of(ckpt).get("config") or {}
     length = int(saved0.get("seq_length") or 0)
     if not length:
         raise UsageError("the checkpoint's config has no seq_length")

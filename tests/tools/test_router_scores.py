@@ -75,7 +75,7 @@ def test_bench_routing_routes_the_recorded_scores(recorded, tmp_path):
     assert ran.returncode == 0, ran.stderr[-3000:]
     bench = json.loads(out.read_text())
     assert bench["shape"]["num_experts"] == 4 and bench["shape"]["k"] == 2 and bench["shape"]["num_tokens"] == 3000
-    assert bench["scores"]["layer"] == skewed["layer"] == load_scores(path)[2]  # the most skewed layer by default
+    assert bench["scores"]["layer"] == skewed["layer"] == load_scores(path)[2]["layer"]  # the most skewed by default
     topk = next(row for row in bench["results"] if row["op"] == "topk_routing")
     # 3000 rows drawn from the 1024 recorded ones: about the recorded skew
     assert topk["max_vio"] == pytest.approx(skewed["topk_max_vio"], abs=0.15)

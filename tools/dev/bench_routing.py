@@ -42,6 +42,8 @@ from megatron_ext.moe.quantile import (  # noqa: E402
     dual_bias_update,
     topk_routing,
 )
+from megatron_ext.moe.metrics import max_violation  # noqa: E402
+from megatron_ext.moe.router import expert_counts  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -84,10 +86,8 @@ def make_scores(args, device):
     if args.scores:
         from tools.router_scores import load_scores, tile_rows
 
-        recorded, bias, layer, meta = load_scores(args.scores, args.scores_layer)
-        args.num_experts, args.k = recorded.shape[1], meta["topk"]
-        source = dict(file=args.scores, layer=layer, recorded_tokens=recorded.shape[0], how=meta["how"],
-                      topk_max_vio=meta["topk_max_vio"][layer])
+        recorded, bias, source = load_scores(args.scores, args.scores_layer)
+        args.num_experts, args.k = recorded.shape[1], source["topk"]
         bias = None if bias is None else bias.to(device)
         return tile_rows(recorded, args.num_tokens).to(device), bias, source
     gen = torch.Generator(device=device).manual_seed(0)
@@ -106,9 +106,7 @@ def main(argv=None):
     counts = dual_bias_histogram(scores, bias, k, lo, hi, args.num_bins)
 
     def load_stats(routing):
-        kept = routing.experts[routing.experts >= 0]
-        load = torch.bincount(kept, minlength=e).float()
-        return {"max_vio": ((load.max() - load.mean()) / load.mean()).item(),
+        return {"max_vio": max_violation(expert_counts(routing.experts, e)),
                 "dropped": routing.dropped.item(), "rerouted": routing.rerouted.item(),
                 "rounds": routing.rounds if routing.rounds is not None else 1}
 
