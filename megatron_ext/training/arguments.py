@@ -179,6 +179,12 @@ def _unknown(key: str, table: dict, where: str) -> ConfigError:
     return ConfigError(f"unknown config key {key!r} {where}{hint}")
 
 
+def _is_bool(tp) -> bool:
+    """bool, or bool | None (null: decided later): both take ``--key`` and ``--no-key``."""
+    return tp is bool or (typing.get_origin(tp) in (typing.Union, types.UnionType)
+                          and set(typing.get_args(tp)) == {bool, type(None)})
+
+
 def _parse_flags(argv: Sequence[str], table: dict) -> tuple[Optional[str], dict[str, Any], bool]:
     """argv -> (config path, {key: raw value}, help requested)."""
     config_path, raw, want_help = None, {}, False
@@ -208,10 +214,10 @@ def _parse_flags(argv: Sequence[str], table: dict) -> tuple[Optional[str], dict[
             key = key[3:]
         if key not in table:
             raise _unknown(key, table, f"(flag {arg.split('=')[0]})")
-        if table[key][1] is bool and not values:
+        if _is_bool(table[key][1]) and not values:
             values = ["true"]
         if negated:
-            if table[key][1] is not bool or values != ["true"]:
+            if not _is_bool(table[key][1]) or values != ["true"]:
                 raise ConfigError(f"--no-{name[3:]}: only bool keys take a --no- form")
             values = ["false"]
         if not values:

@@ -28,6 +28,7 @@ class StandInModelConfig:
     ffn_hidden_size: Optional[int] = None
     kda_gate: Literal["lower_bounded", "softplus"] = "lower_bounded"
     g_min: float = -5.0
+    graph_the_router: Optional[bool] = None  # null: decided per device
     not_user_settable: int = 7
     tensor_model_parallel_size: int = 1  # a Megatron ModelParallelConfig field
 
@@ -36,7 +37,7 @@ class StandInModelConfig:
             raise ValueError(f"g_min must be in [-5, 0), got {self.g_min}")
 
 
-MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "kda_gate", "g_min")
+MODEL_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "kda_gate", "g_min", "graph_the_router")
 
 
 def _build_model(values, built):
@@ -126,6 +127,14 @@ def test_optional_values_accept_null_and_duplicate_owners_are_rejected():
     assert cfg[StandInModelConfig].ffn_hidden_size is None
     with pytest.raises(TypeError, match="owned by both"):
         load_config([ParallelConfig, StandInModelConfig], [])
+
+
+@pytest.mark.parametrize("flags, expected", [([], None), (["--graph-the-router"], True),
+                                             (["--no-graph-the-router"], False), (["--graph-the-router=null"], None),
+                                             (["--graph-the-router", "false"], False)])
+def test_optional_bool_keys_take_the_bool_flag_forms_and_null(flags, expected):
+    cfg = load_config(SECTIONS, ["--num-layers", "2", "--hidden-size", "8", *flags])
+    assert cfg[StandInModelConfig].graph_the_router is expected
 
 
 def test_help_lists_every_key(capsys):
