@@ -22,7 +22,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.errors import ConfigError  # noqa: F401  (re-exported for callers)
 from megatron_ext.moe.balancers import BALANCERS as MOE_BALANCERS, check_balancer_settings
-from megatron_ext.moe.quantile_capacity import DEVICE_ROUNDS, ROUNDS_IMPLS as MOE_QB_ROUNDS_IMPLS
+from megatron_ext.moe.quantile_capacity import ROUNDS_IMPLS as MOE_QB_ROUNDS_IMPLS
 
 
 # Attention kinds a layer pattern may use.
@@ -84,17 +84,19 @@ class HybridConfig(TransformerConfig):
     moe_balancer: str = "none"
     # Histogram bins of the quantile balancers (capacity thresholds and the dual bias).
     moe_qb_num_bins: int = 1000
-    # Capacity mode: when round 1 over-subscribes an expert, the overflow rounds run on the device
-    # before the routing's second host read (each further round reads once). More rounds: fewer
-    # host syncs but ~40 more launches per round (docs/quantile_balancing.md).
-    moe_qb_device_rounds: int = DEVICE_ROUNDS
-    # False: capacity routing never reads the device (no host sync; with one EP rank the dispatcher
-    # keeps static [N k] buffers): exactly 1 + moe_qb_device_rounds rounds run, and a token that could
-    # still move after them is dropped. True: rounds until nothing can move, reading as above.
-    moe_qb_host_reads: bool = True
-    # True (with moe_qb_host_reads false): one-rank capacity routing on CUDA replayed from a CUDA graph per
-    # router (~160 launches -> 1; megatron_ext/moe/quantile_capacity.py); the eager call elsewhere.
-    moe_qb_cuda_graph: bool = False
+    # Capacity mode's rounds and host reads (megatron_ext/moe/quantile_capacity.py); None = decided per device:
+    # on one CUDA rank no host reads, every round that can matter on the device (the Triton rounds skip those
+    # after the last useful one) replayed from one CUDA graph per router, nothing dropped that reads would
+    # place; on an EP group or the CPU, host reads.
+    # moe_qb_device_rounds: with host reads, the overflow rounds run before the second read (None: 2); without,
+    # the overflow rounds run at all (None: num_moe_experts, lossless; fewer drops a token that could move).
+    moe_qb_device_rounds: int | None = None
+    # false: capacity routing never reads the device (no host sync; one EP rank keeps static [N k] buffers).
+    # true: rounds until nothing can move, reading between them.
+    moe_qb_host_reads: bool | None = None
+    # true (needs no host reads): one-rank capacity routing on CUDA replayed from a CUDA graph per router
+    # (~12 launches on the Triton rounds, ~160 on the PyTorch ones -> 1); the eager call elsewhere.
+    moe_qb_cuda_graph: bool | None = None
     # Capacity routing's rounds: "auto" = Triton kernels (kimi_kernels/moe_routing) on one CUDA rank, PyTorch ops on a
     # capacity group and off CUDA; "torch" = always the PyTorch ops (same routing; for A/B runs and as a fallback);
     # "triton" = always the kernels (one capacity rank only).
@@ -181,12 +183,12 @@ class HybridConfig(TransformerConfig):
         validate_attn_res(self, ConfigError)
         if self.moe_qb_num_bins < 2:
             raise ConfigError(f"moe_qb_num_bins={self.moe_qb_num_bins} must be >= 2")
-        if not isinstance(self.moe_qb_device_rounds, int) or self.moe_qb_device_rounds < 0:
-            raise ConfigError(f"moe_qb_device_rounds={self.moe_qb_device_rounds!r} must be an int >= 0")
-        if not isinstance(self.moe_qb_host_reads, bool):
-            raise ConfigError(f"moe_qb_host_reads={self.moe_qb_host_reads!r} must be true or false")
-        if not isinstance(self.moe_qb_cuda_graph, bool):
-            raise ConfigError(f"moe_qb_cuda_graph={self.moe_qb_cuda_graph!r} must be true or false")
+        rounds = self.moe_qb_device_rounds
+        if rounds is not None and (not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0):
+            raise ConfigError(f"moe_qb_device_rounds={rounds!r} must be an int >= 0 or null (the default)")
+        for key in ("moe_qb_host_reads", "moe_qb_cuda_graph"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}={getattr(self, key)!r} must be true, false or null (decided per device)")
         if self.moe_qb_rounds_impl not in MOE_QB_ROUNDS_IMPLS:
             raise ConfigError(f"moe_qb_rounds_impl={self.moe_qb_rounds_impl!r}; allowed: "
                               f"{', '.join(MOE_QB_ROUNDS_IMPLS)}")

@@ -5,6 +5,12 @@ e), ``room [E]`` int32, the round's ``[E, num_bins]`` int32 histogram (the admit
 reading it, ready for the next round), ``proposals [N, E]`` int8 (this round's), and what a host read may
 ask after a round: per round ``flags = (anyone proposed, an expert refused)``, and the pairs admitted so far.
 
+Both kernels of a round first read the last round's flags and return at once when it refused nothing: then
+every token with a free slot already holds every expert with room, so the round could move nobody. A caller
+without host reads can therefore queue every round that could matter (``1 + E``: each refusing round fills an
+expert) and pay a few microseconds for each one after the last useful one, which is what makes the routing
+lossless without a host read (``quantile_capacity``; the rounds are replayed from a CUDA graph there).
+
 * ``propose_kernel`` (program per TOKEN_TILE / E tokens): walks each token's preference order
   (``argsort`` of the biased scores, stable, best first), proposes to the first ``k - held`` experts it
   does not hold that have room, writes the proposals row and adds them to the round's histogram.
@@ -34,26 +40,34 @@ def _bin_of(score, lo, scale, NUM_BINS: tl.constexpr):
 
 
 @triton.jit
-def propose_kernel(scores, preference, held, room, proposals, hist, N, lo, scale, E: tl.constexpr,
+def propose_kernel(scores, preference, held, room, proposals, hist, last_flags, N, lo, scale, E: tl.constexpr,
                    EP: tl.constexpr, K: tl.constexpr, NUM_BINS: tl.constexpr, BN: tl.constexpr):
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
-    j = tl.arange(0, EP)
-    ok = (n < N)[:, None] & (j < E)[None, :]
-    row = n.to(tl.int64)[:, None] * E
-    expert = tl.load(preference + row + j[None, :], mask=ok, other=0)
-    holds = tl.load(held + row + expert, mask=ok, other=0) != 0
-    free = K - tl.sum(holds.to(tl.int32), 1)
-    available = ok & ~holds & (tl.load(room + expert, mask=ok, other=0) > 0)
-    ahead = tl.cumsum(available.to(tl.int32), 1)
-    propose = available & (ahead <= free[:, None])
-    tl.store(proposals + row + expert, propose.to(tl.int8), mask=ok)
-    bins = _bin_of(tl.load(scores + row + expert, mask=ok, other=0.0), lo, scale, NUM_BINS)
-    tl.atomic_add(hist + expert * NUM_BINS + bins, 1, mask=propose, sem="relaxed")
+    if tl.load(last_flags + 1) != 0:  # the last round refused a proposal: someone may still move
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        j = tl.arange(0, EP)
+        ok = (n < N)[:, None] & (j < E)[None, :]
+        row = n.to(tl.int64)[:, None] * E
+        expert = tl.load(preference + row + j[None, :], mask=ok, other=0)
+        holds = tl.load(held + row + expert, mask=ok, other=0) != 0
+        free = K - tl.sum(holds.to(tl.int32), 1)
+        available = ok & ~holds & (tl.load(room + expert, mask=ok, other=0) > 0)
+        ahead = tl.cumsum(available.to(tl.int32), 1)
+        propose = available & (ahead <= free[:, None])
+        tl.store(proposals + row + expert, propose.to(tl.int8), mask=ok)
+        bins = _bin_of(tl.load(scores + row + expert, mask=ok, other=0.0), lo, scale, NUM_BINS)
+        tl.atomic_add(hist + expert * NUM_BINS + bins, 1, mask=propose, sem="relaxed")
 
 
 @triton.jit
-def admit_kernel(scores, held, room, proposals, hist, flags, admitted, N, lo, scale, E: tl.constexpr,
+def admit_kernel(scores, held, room, proposals, hist, last_flags, flags, admitted, N, lo, scale, E: tl.constexpr,
                  NUM_BINS: tl.constexpr, BINS_P: tl.constexpr, BT: tl.constexpr):
+    if tl.load(last_flags + 1) != 0:  # else the propose kernel skipped this round too: nothing to admit
+        _admit_expert(scores, held, room, proposals, hist, flags, admitted, N, lo, scale, E, NUM_BINS, BINS_P, BT)
+
+
+@triton.jit
+def _admit_expert(scores, held, room, proposals, hist, flags, admitted, N, lo, scale, E: tl.constexpr,
+                  NUM_BINS: tl.constexpr, BINS_P: tl.constexpr, BT: tl.constexpr):
     e = tl.program_id(0)
     b = tl.arange(0, BINS_P)
     counts = tl.load(hist + e * NUM_BINS + b, mask=b < NUM_BINS, other=0)
@@ -111,7 +125,8 @@ def tokens_per_program(num_experts):
 
 class KernelRounds:
     """The rounds' device state for fp32 ``scores [N, E]`` (contiguous, N >= 1) and a per-expert ``capacity``;
-    ``step()`` runs one round (round 1 is the round with nothing held: the plain top-k), at most ``max_steps``.
+    ``step()`` queues one round (round 1 is the round with nothing held: the plain top-k), at most ``max_steps``; a
+    round after one that refused nothing returns at once on the device (nobody could move).
     After a step, without a host read: ``flags[s]`` (int32 ``[2]``: someone proposed, an expert refused) of
     step s and ``admitted`` (int32 ``[1]``: pairs held so far)."""
 
@@ -125,7 +140,11 @@ class KernelRounds:
         self.proposals = torch.empty_like(self.held)
         self.room = torch.full((num_experts,), capacity, dtype=torch.int32, device=device)
         self.hist = torch.zeros(num_experts, num_bins, dtype=torch.int32, device=device)
-        self.flags = torch.zeros(max_steps, 2, dtype=torch.int32, device=device)
+        # Row 0 stands for a round before round 1 that refused something (round 1 always runs); step s writes
+        # row s + 1 and its kernels read row s. ``flags`` is the rows of the steps.
+        self._flags = torch.zeros(max_steps + 1, 2, dtype=torch.int32, device=device)
+        self._flags[0, 1] = 1
+        self.flags = self._flags[1:]
         self.admitted = torch.zeros(1, dtype=torch.int32, device=device)
         self.steps = 0
         self.lo, hi = score_range
@@ -138,9 +157,11 @@ class KernelRounds:
             raise RuntimeError(f"KernelRounds: max_steps={self.steps} rounds already ran")
         num_tokens, num_experts = self.held.shape
         shape = dict(E=num_experts, NUM_BINS=self.num_bins, num_warps=NUM_WARPS)
+        last_flags = self._flags[self.steps]
         propose_kernel[self.token_grid](self.scores, self.preference, self.held, self.room, self.proposals, self.hist,
-                                        num_tokens, self.lo, self.scale, K=self.k, **self.token_tile, **shape)
-        admit_kernel[(num_experts,)](self.scores, self.held, self.room, self.proposals, self.hist,
+                                        last_flags, num_tokens, self.lo, self.scale, K=self.k, **self.token_tile,
+                                        **shape)
+        admit_kernel[(num_experts,)](self.scores, self.held, self.room, self.proposals, self.hist, last_flags,
                                      self.flags[self.steps], self.admitted, num_tokens, self.lo, self.scale,
                                      BINS_P=triton.next_power_of_2(self.num_bins), BT=ADMIT_TOKENS, **shape)
         self.steps += 1

@@ -269,7 +269,7 @@ def check_balancer_settings(config) -> None:
     num_bins = getattr(config, "moe_qb_num_bins", 1000)
     if not isinstance(num_bins, int) or num_bins < 1:
         raise ConfigError(f"moe_qb_num_bins must be a positive int, got {num_bins!r}")
-    if getattr(config, "moe_qb_cuda_graph", False) and getattr(config, "moe_qb_host_reads", True):
+    if getattr(config, "moe_qb_cuda_graph", None) and getattr(config, "moe_qb_host_reads", None):
         raise ConfigError("moe_qb_cuda_graph=True needs moe_qb_host_reads=False (a CUDA graph cannot read the "
                           "device back to the host)")
     if name == "aux_loss" and not config.moe_aux_loss_coeff > 0:
@@ -303,9 +303,10 @@ def build_balancer(config, capacity_group: dist.ProcessGroup | None = None, devi
         rounds = getattr(config, "moe_qb_rounds_impl", "auto")
         capacity = CapacityRouting(
             k, capacity_factor, num_bins=num_bins, group=capacity_group,
-            device_rounds=getattr(config, "moe_qb_device_rounds", None),  # None: capacity routing's default
-            host_reads=getattr(config, "moe_qb_host_reads", True), rounds=rounds,
-            cuda_graph=getattr(config, "moe_qb_cuda_graph", False), device=device)
+            # None: decided for the router's device (CapacityRouting.place)
+            device_rounds=getattr(config, "moe_qb_device_rounds", None),
+            host_reads=getattr(config, "moe_qb_host_reads", None), rounds=rounds,
+            cuda_graph=getattr(config, "moe_qb_cuda_graph", None), device=device)
         routing = Capacity(k, capacity)
     else:
         routing = TopK(k)

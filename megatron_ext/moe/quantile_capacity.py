@@ -20,26 +20,35 @@ batch, rank 0's tokens first):
 
 GPU cost model: the work is tiny, so the cost is kernel launches and host reads. A host read
 drains the GPU, which then idles while the host launches the next small kernels; a host-bound step
-pays for every launch instead. So the common case, no expert over-subscribed in round 1 (plain
-top-k), is round 1 and one read. Otherwise round 1's admission and ``device_rounds`` overflow rounds
-(dense ``[N, E]`` masks; a round with nothing left to move is a no-op) run before a second read,
+pays for every launch instead. With host reads, the common case, no expert over-subscribed in round 1
+(plain top-k), is round 1 and one read. Otherwise round 1's admission and ``device_rounds`` overflow
+rounds (dense ``[N, E]`` masks; a round with nothing left to move is a no-op) run before a second read,
 which says whether a token could still move; only then does each further round read once.
 
-``host_reads=False`` reads nothing: round 1's admission and exactly ``device_rounds`` overflow rounds
-always run, so a token that could still move after them is dropped (the result of ``host_reads=True``
-with ``max_rounds = 1 + device_rounds``), and the kept-pair count stays on the device (a one-rank
-dispatcher then keeps static ``[N k]`` buffers): the layer has no host sync, as CUDA-graph capture
-needs. By itself it did not speed up the all-techniques benchmark step on the H200, which is bound by
-the host's launch rate rather than by these reads (docs/quantile_balancing.md, "Host reads").
+``host_reads=False`` reads nothing: round 1's admission and ``device_rounds`` overflow rounds always run
+and the kept-pair count stays on the device (a one-rank dispatcher then keeps static ``[N k]`` buffers):
+the layer has no host sync, as CUDA-graph capture needs. ``device_rounds=None`` then means every round
+that can matter, ``E`` overflow rounds (each round that refuses fills an expert, so after ``E`` of them
+nobody can move): the same routing as with host reads, nothing dropped that they would place. The Triton
+rounds return at once after the last useful one, so on one CUDA rank, replayed from a CUDA graph, this is
+one graph launch per call for the whole lossless routing; the PyTorch rounds run each no-op round in full.
+A smaller ``device_rounds`` stops early and drops a token that could still move (the result of
+``host_reads=True`` with ``max_rounds = 1 + device_rounds``).
+
+Defaults (``host_reads=None``, ``cuda_graph=None``, ``device_rounds=None``) are decided per device by
+:meth:`CapacityRouting.place`: on one CUDA rank no host reads, every round on the device, replayed from a
+CUDA graph; on a group, off CUDA or with the PyTorch rounds forced, host reads (a group's dispatcher reads
+its split sizes anyway, and no-op PyTorch rounds run in full, a group's each with its all-reduces) with
+``DEVICE_ROUNDS`` rounds before the second read.
 
 Structure: :class:`CapacityRouting` holds one router's settings and runs the protocol of rounds and host reads
 (``_route``) over one of two kinds of rounds (``quantile_rounds``): ``TorchRounds`` (PyTorch ops, any group) or
 ``KernelRounds`` (Triton kernels, ``kimi_kernels/moe_routing``, one rank). Which one is decided once, when the routing
 is built or moved to a device (:meth:`CapacityRouting.place`): ``rounds="auto"`` (``moe_qb_rounds_impl``) takes
 the Triton rounds on one CUDA rank and the PyTorch rounds elsewhere; ``"torch"`` / ``"triton"`` force a kind.
-Both give the same routing, up to the order among equal biased scores. With ``cuda_graph=True``
-(``moe_qb_cuda_graph``; no host reads) a one-rank CUDA routing is captured once per shape and replayed
-(:class:`_Graphs`). :func:`capacity_routing` is the same as a one-call function.
+Both give the same routing, up to the order among equal biased scores. With ``cuda_graph`` (``moe_qb_cuda_graph``;
+no host reads; by default wherever there are none) a one-rank CUDA routing is captured once per shape and
+replayed (:class:`_Graphs`). :func:`capacity_routing` is the same as a one-call function.
 """
 
 from __future__ import annotations
@@ -56,8 +65,8 @@ from megatron_ext.moe.quantile_routing import Routing, check_scores, gates_from_
 __all__ = ["expert_capacity", "capacity_routing", "CapacityRouting", "DEVICE_ROUNDS", "ROUNDS_IMPLS"]
 
 
-# Overflow rounds run between an over-subscribed call's two host reads (capacity_routing's device_rounds
-# default): each costs ~40 small launches on [N, E] whether or not anything is left to move.
+# Overflow rounds run between an over-subscribed call's two host reads (device_rounds's default with host
+# reads): each costs ~40 small launches on [N, E] as PyTorch ops, two as Triton kernels.
 DEVICE_ROUNDS = 2
 
 # Which rounds run (``moe_qb_rounds_impl``). "auto": the Triton rounds (kimi_kernels/moe_routing: two launches per
@@ -72,17 +81,17 @@ class CapacityRouting:
     """Capacity routing of one router: :func:`capacity_routing` with every setting fixed at construction.
 
     ``routing(scores, bias=None, renormalize=True) -> Routing``. ``group`` is the capacity group (None or one
-    rank: this process alone). ``rounds`` (:data:`ROUNDS_IMPLS`) and ``cuda_graph`` are resolved for ``device``
-    (the device of the scores it will route) by :meth:`place`, at construction and again when the owner moves
-    to another kind of device; a call with scores elsewhere is refused. ``cuda_graph=True`` needs
-    ``host_reads=False`` and replays a one-rank CUDA call from a CUDA graph (:class:`_Graphs`); elsewhere it
-    routes eagerly, with the same result.
+    rank: this process alone). ``rounds`` (:data:`ROUNDS_IMPLS`), ``host_reads``, ``cuda_graph`` and
+    ``device_rounds`` are resolved for ``device`` (the device of the scores it will route) by :meth:`place`, at
+    construction and again when the owner moves to another kind of device; a call with scores elsewhere is
+    refused. ``cuda_graph=True`` needs no host reads and replays a one-rank CUDA call from a CUDA graph
+    (:class:`_Graphs`); elsewhere it routes eagerly, with the same result.
     """
 
     def __init__(self, k: int, capacity_factor: float, *, num_bins: int = 1000,
                  score_range: tuple[float, float] = (0.0, 1.0), group=None, max_rounds: int | None = None,
-                 device_rounds: int | None = None, host_reads: bool = True, rounds: str = "auto",
-                 cuda_graph: bool = False, device: torch.device | str = "cpu"):
+                 device_rounds: int | None = None, host_reads: bool | None = None, rounds: str = "auto",
+                 cuda_graph: bool | None = None, device: torch.device | str = "cpu"):
         if not isinstance(num_bins, int) or num_bins < 1:
             raise ValueError(f"num_bins must be a positive int, got {num_bins!r}")
         lo, hi = score_range
@@ -90,11 +99,11 @@ class CapacityRouting:
             raise ValueError(f"score_range must be (lo, hi) with hi > lo, got {score_range}")
         if max_rounds is not None and max_rounds < 1:
             raise ValueError(f"max_rounds must be >= 1 or None, got {max_rounds}")
-        device_rounds = DEVICE_ROUNDS if device_rounds is None else device_rounds
-        if not isinstance(device_rounds, int) or device_rounds < 0:
+        if device_rounds is not None and (not isinstance(device_rounds, int) or device_rounds < 0):
             raise ValueError(f"device_rounds must be an int >= 0 or None, got {device_rounds!r}")
-        if not isinstance(host_reads, bool):
-            raise ValueError(f"host_reads must be True or False, got {host_reads!r}")
+        for name, value in (("host_reads", host_reads), ("cuda_graph", cuda_graph)):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None (decided per device), got {value!r}")
         if rounds not in ROUNDS_IMPLS:
             raise ValueError(f"rounds must be one of {ROUNDS_IMPLS}, got {rounds!r}")
         if cuda_graph and host_reads:
@@ -106,14 +115,17 @@ class CapacityRouting:
             raise ValueError("rounds='triton' (moe_qb_rounds_impl) routes one rank; a capacity group needs the "
                              "PyTorch rounds (their admission all-reduces between kernels)")
         self.k, self.capacity_factor, self.num_bins, self.lo, self.hi = k, capacity_factor, num_bins, lo, hi
-        self.group, self.max_rounds, self.device_rounds, self.host_reads = group, max_rounds, device_rounds, host_reads
-        self.rounds, self.cuda_graph = rounds, cuda_graph
+        self.group, self.max_rounds, self.device_rounds = group, max_rounds, device_rounds
+        self.rounds, self.cuda_graph, self.host_reads = rounds, cuda_graph, host_reads
         self.device_type: str | None = None
         self.place(device)
 
     def place(self, device: torch.device | str) -> None:
-        """Decide, for scores on ``device``, which rounds run and whether calls are replayed from CUDA graphs.
-        Same kind of device as before: nothing changes (captured graphs are kept)."""
+        """Decide, for scores on ``device``, which rounds run, whether the host reads between them and whether
+        calls are replayed from CUDA graphs (``reads``, ``rounds_kind``, ``graphs``). The settings left at None
+        follow the device: one CUDA rank reads nothing and replays its rounds from a graph (its Triton rounds
+        skip the rounds after the last useful one on the device); a group or a CPU reads. Same kind of device
+        as before: nothing changes (captured graphs are kept)."""
         device_type = torch.device(device).type
         if device_type == self.device_type:
             return
@@ -121,7 +133,12 @@ class CapacityRouting:
         one_cuda_rank = device_type == "cuda" and self.group is None
         triton = self.rounds == "triton" or (self.rounds == "auto" and one_cuda_rank)
         self.rounds_kind = KernelRounds if triton else TorchRounds
-        self.graphs = _Graphs() if self.cuda_graph and one_cuda_rank else None
+        if self.host_reads is not None:
+            self.reads = self.host_reads
+        else:  # an explicit graph needs no reads; otherwise reads only where they cost no graph
+            self.reads = not (self.cuda_graph or (one_cuda_rank and triton))
+        graphed = self.cuda_graph if self.cuda_graph is not None else not self.reads
+        self.graphs = _Graphs() if graphed and one_cuda_rank else None
 
     def __call__(self, scores: torch.Tensor, bias: torch.Tensor | None = None, renormalize: bool = True) -> Routing:
         check_scores(scores, self.k, bias)
@@ -138,9 +155,12 @@ class CapacityRouting:
 
     def _route(self, scores, bias):
         """The rounds and their host reads (``quantile_rounds``'s interface)."""
-        k, max_rounds, host_reads = self.k, self.max_rounds, self.host_reads
-        overflow_rounds = self.device_rounds if max_rounds is None else min(self.device_rounds, max_rounds - 1)
+        k, max_rounds, host_reads = self.k, self.max_rounds, self.reads
         num_experts = scores.shape[1]
+        device_rounds = self.device_rounds
+        if device_rounds is None:  # with reads: the default before the second; without: all that can matter
+            device_rounds = DEVICE_ROUNDS if host_reads else num_experts
+        overflow_rounds = device_rounds if max_rounds is None else min(device_rounds, max_rounds - 1)
         kind = self.rounds_kind if scores.shape[0] > 0 else TorchRounds  # the kernels need a token
         # round 1, the device rounds and, with reads, at most one round per expert after them (each fills one)
         max_steps = 1 + overflow_rounds + (num_experts + 1 if host_reads else 0)
@@ -171,7 +191,8 @@ class CapacityRouting:
 def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bias: torch.Tensor | None = None,
                      num_bins: int = 1000, score_range: tuple[float, float] = (0.0, 1.0),
                      group=None, renormalize: bool = True, max_rounds: int | None = None,
-                     device_rounds: int | None = None, host_reads: bool = True, rounds: str = "auto") -> Routing:
+                     device_rounds: int | None = None, host_reads: bool | None = None,
+                     rounds: str = "auto") -> Routing:
     """Top-k routing where expert j accepts at most ``C = expert_capacity(N_global, k, E,
     capacity_factor)`` pairs over all ranks of ``group`` (None: this process alone).
 
@@ -181,12 +202,14 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     scores outside it fall in the edge bins, which coarsens who wins a contested expert but
     never breaks the capacity. ``max_rounds`` caps the overflow rounds (None: until nothing can
     move; at most E + 1). Slots are ordered by biased score, best first, dropped (-1) last.
-    ``Routing.rounds`` says how many rounds ran. ``device_rounds`` (default ``DEVICE_ROUNDS``): the
-    overflow rounds run before the host read; the result does not depend on it. ``host_reads=False``:
-    no host read; exactly ``1 + device_rounds`` rounds run (capped by ``max_rounds``), a token that
-    could still move after them is dropped, ``Routing.num_kept`` is None and ``Routing.rounds`` counts
-    the rounds run, useful or not. ``rounds``: which kind of rounds (:data:`ROUNDS_IMPLS`), decided for
-    the scores' device (:meth:`CapacityRouting.place`).
+    ``Routing.rounds`` says how many rounds ran. ``host_reads`` (None: decided for the scores' device,
+    :meth:`CapacityRouting.place`; a one-call function never graphs). With reads, ``device_rounds``
+    (default ``DEVICE_ROUNDS``): the overflow rounds run before the second host read; the result does not
+    depend on it. Without: no host read; exactly ``1 + device_rounds`` rounds run (default ``E``: every
+    round that can matter, so the result equals the reading one; capped by ``max_rounds``), a token that
+    could still move after them is dropped, ``Routing.num_kept`` is None and ``Routing.rounds`` counts the
+    rounds run, useful or not. ``rounds``: which kind of rounds (:data:`ROUNDS_IMPLS`), decided for the
+    scores' device.
 
     Collectives per call: per round, one all-reduce of ``E * num_bins`` int64 (+1 in round 1) and
     one of ``world * E`` int64; ``1 + device_rounds`` rounds run (fewer with ``max_rounds``), more
@@ -196,7 +219,7 @@ def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bi
     check_scores(scores, k, bias)
     routing = CapacityRouting(k, capacity_factor, num_bins=num_bins, score_range=score_range, group=group,
                               max_rounds=max_rounds, device_rounds=device_rounds, host_reads=host_reads,
-                              rounds=rounds, device=scores.device)
+                              rounds=rounds, cuda_graph=False, device=scores.device)
     return routing(scores, bias, renormalize)
 
 

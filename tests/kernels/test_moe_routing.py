@@ -93,8 +93,9 @@ def test_saturated_scores_and_scores_outside_the_range_fill_the_edge_bins():
     (True, None, 0),   # every overflow round behind its own read
     (True, 1, 2),      # round 1 only
     (True, 3, 1),      # capped by max_rounds
-    (False, None, 2),  # no reads (what the CUDA graphs capture)
+    (False, None, 2),  # no reads, stopped after three rounds
     (False, 1, 2),
+    (False, None, None),  # no reads, every round that can matter (what one CUDA rank runs by default)
 ])
 @pytest.mark.parametrize("capacity_factor", [0.7, 1.0, 4.0])  # 4.0: nobody over-subscribed, plain top-k
 def test_capacity_routing_on_the_kernels_equals_the_pytorch_rounds(host_reads, max_rounds, device_rounds,
@@ -116,6 +117,35 @@ def test_capacity_routing_on_the_kernels_equals_the_pytorch_rounds(host_reads, m
     assert expected.plain == (capacity_factor == 4.0 and host_reads)
     if host_reads and max_rounds is None and device_rounds == 0 and capacity_factor < 4.0:
         assert expected.rounds > 1  # overflow rounds ran, each behind its own read
+    if not host_reads and device_rounds is None:  # lossless: the reading routing, most rounds skipped
+        reading = capacity_routing(scores, 4, capacity_factor, rounds="triton", bias=bias, num_bins=50)
+        for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
+            assert torch.equal(getattr(got, name), getattr(reading, name)), name
+        assert got.rounds == 17 > reading.rounds
+
+
+@interpreter_case
+def test_a_round_after_one_that_refused_nothing_skips_on_the_device():
+    """Once a round refuses nothing nobody can move: the next round's kernels return at once (they write no
+    proposal and no flag), which is what makes queuing every possible round cheap. Before that, a round after a
+    refusal runs."""
+    from kimi_kernels.moe_routing import kernel_rounds
+    from megatron_ext.moe.quantile_capacity import expert_capacity
+
+    scores, bias = make_scores(120, 8, 2.0, seed=3)
+    rounds = kernel_rounds(scores, 2, expert_capacity(120, 2, 8, 1.0), bias, 32, (0.0, 1.0), max_steps=10)
+    steps = 0
+    while True:
+        rounds.step()
+        steps += 1
+        if rounds.flags[steps - 1, 1] == 0:  # this round refused nothing
+            break
+    assert steps > 2  # overflow rounds did work before it
+    held = rounds.held.clone()
+    rounds.proposals.fill_(7)
+    rounds.step()
+    assert (rounds.proposals == 7).all() and torch.equal(rounds.held, held)  # skipped: nothing written
+    assert rounds.flags[steps].tolist() == [0, 0] and (rounds.hist == 0).all()
 
 
 @interpreter_case
@@ -180,12 +210,26 @@ def test_capacity_routing_with_reads_on_the_kernels_equals_the_pytorch_rounds_on
 
     assert CapacityRouting(8, 1.0, device="cuda").rounds_kind is KernelRounds
     scores, bias = make_scores(16384, num_experts, 2.0, seed=num_experts, device="cuda")
-    expected = capacity_routing(scores, 8, 1.0, bias=bias, rounds="torch")
-    got = capacity_routing(scores, 8, 1.0, bias=bias)
+    expected = capacity_routing(scores, 8, 1.0, bias=bias, rounds="torch", host_reads=True)
+    got = capacity_routing(scores, 8, 1.0, bias=bias, host_reads=True)
     for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
         assert torch.equal(getattr(got, name), getattr(expected, name)), name
     assert (got.rounds, got.plain, got.num_kept) == (expected.rounds, expected.plain, expected.num_kept)
     assert not expected.plain and expected.rerouted > 0  # overflow rounds ran
+    # One CUDA rank's default: no reads, every round that can matter (all but the useful ones skipped on the
+    # device), replayed from a CUDA graph: the same routing, no host sync after the capture.
+    graphed = CapacityRouting(8, 1.0, device="cuda")
+    assert not graphed.reads and graphed.graphs is not None
+    graphed(scores, bias)  # captures
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lossless = graphed(scores, bias)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
+        assert torch.equal(getattr(lossless, name), getattr(expected, name)), name
+    assert lossless.rounds == 1 + num_experts
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ import pytest
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs the compiling JIT, not the interpreter")
 
-KINDS = dict(scores="*fp32", preference="*i32", held="*i8", room="*i32", proposals="*i8", hist="*i32", flags="*i32",
+KINDS = dict(scores="*fp32", preference="*i32", held="*i8", room="*i32", proposals="*i8", hist="*i32", last_flags="*i32", flags="*i32",
              admitted="*i32",
              experts="*i64", dropped="*i64", rerouted="*i64", load="*i64", N="i32", capacity="i32", lo="fp32",
              scale="fp32")

@@ -120,7 +120,7 @@ def test_rounds_and_graphs_are_decided_for_the_device_once():
     with pytest.raises(ValueError, match="placed for cuda scores, got cpu"):
         graphed(torch.rand(4, 8))
     with pytest.raises(ValueError, match="moe_qb_cuda_graph=True needs moe_qb_host_reads=False"):
-        CapacityRouting(2, 1.0, cuda_graph=True)
+        CapacityRouting(2, 1.0, cuda_graph=True, host_reads=True)
     with pytest.raises(ValueError, match="rounds must be one of"):
         CapacityRouting(2, 1.0, rounds="cuda")
 

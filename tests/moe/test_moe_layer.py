@@ -329,16 +329,19 @@ def test_layer_without_host_reads_equals_the_layer_with_them():
 @pytest.mark.gpu
 def test_layer_without_host_reads_never_syncs_on_cuda_and_equals_the_reading_layer():
     """On the GPU in bf16: forward and backward of the capacity-routed layer without host reads, eager and
-    with the routing replayed from a CUDA graph (``moe_qb_cuda_graph``), run under
-    ``set_sync_debug_mode("error")`` (no host sync anywhere: routing, static dispatch, grouped GEMMs over
-    trailing dropped rows, combine), and give the reading layer's numbers."""
+    with the routing replayed from a CUDA graph (``moe_qb_cuda_graph``), and with the settings left at their
+    defaults (one CUDA rank: no reads, every round, graphed), run under ``set_sync_debug_mode("error")`` (no
+    host sync anywhere: routing, static dispatch, grouped GEMMs over trailing dropped rows, combine), and give
+    the reading layer's numbers."""
     config = dict(hidden_size=64, moe_ffn_hidden_size=32, params_dtype=torch.bfloat16, use_cpu_initialization=False,
-                  moe_balancer="qb_capacity", moe_expert_capacity_factor=0.9, moe_qb_device_rounds=8)
+                  moe_balancer="qb_capacity", moe_expert_capacity_factor=0.9)
     results = []
-    for host_reads, graph in ((True, False), (False, False), (False, True)):
+    for host_reads, graph, rounds in ((True, False, 8), (False, False, 8), (False, True, 8), (None, None, None)):
         torch.manual_seed(0)
-        layer = MoELayer(moe_config(moe_qb_host_reads=host_reads, moe_qb_cuda_graph=graph, **config),
-                         ProcessGroupCollection())
+        layer = MoELayer(moe_config(moe_qb_host_reads=host_reads, moe_qb_cuda_graph=graph,
+                                    moe_qb_device_rounds=rounds, **config), ProcessGroupCollection())
+        capacity = layer.router.balancer.routing.capacity
+        assert (capacity.reads, capacity.graphs is not None) == (bool(host_reads), host_reads is None or graph)
         torch.manual_seed(1)
         x = torch.randn(128, 2, 64, device="cuda", dtype=torch.bfloat16).requires_grad_()
         weights = torch.linspace(-1, 1, x.numel(), device="cuda").view_as(x)
@@ -346,7 +349,7 @@ def test_layer_without_host_reads_never_syncs_on_cuda_and_equals_the_reading_lay
             layer.zero_grad(set_to_none=True)
             x.grad = None
             torch.cuda.synchronize()
-            if not host_reads and call:
+            if not capacity.reads and call:
                 torch.cuda.set_sync_debug_mode("error")
             try:
                 out, _ = layer(x)
@@ -356,7 +359,8 @@ def test_layer_without_host_reads_never_syncs_on_cuda_and_equals_the_reading_lay
         assert layer.router.last_dropped.item() > 0
         results.append((out.float(), x.grad.float(), layer.experts.w1.grad.float(), layer.experts.w2.grad.float(),
                         layer.router.weight.grad.float()))
-    for with_reads, without, graphed in zip(*results):
+    for with_reads, without, graphed, default in zip(*results):
         assert torch.isfinite(without).all()
         torch.testing.assert_close(without, with_reads, rtol=1e-2, atol=1e-3)
         assert torch.equal(graphed, without)  # the same kernels, replayed
+        assert torch.equal(default, graphed)  # eight experts: eight device rounds are every round

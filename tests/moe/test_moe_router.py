@@ -212,7 +212,7 @@ def test_bad_qb_device_rounds_names_the_key():
 @pytest.mark.parametrize("overrides, match", [
     (dict(moe_qb_host_reads=1), r"^moe_qb_host_reads="),
     (dict(moe_qb_cuda_graph="yes", moe_qb_host_reads=False), r"^moe_qb_cuda_graph="),
-    (dict(moe_qb_cuda_graph=True), r"^moe_qb_cuda_graph: true needs moe_qb_host_reads: false"),
+    (dict(moe_qb_cuda_graph=True, moe_qb_host_reads=True), r"^moe_qb_cuda_graph: true needs moe_qb_host_reads: false"),
 ])
 def test_bad_qb_host_read_settings_name_the_key(overrides, match):
     from megatron_ext.config import ConfigError
@@ -226,7 +226,8 @@ def test_cuda_graph_routing_needs_no_host_reads_and_falls_back_off_cuda():
     """``moe_qb_cuda_graph``: the router refuses it with host reads; on the CPU it routes eagerly, the same
     routing as without graphs (the graphs' own equality test runs on the GPU)."""
     with pytest.raises(ValueError, match="moe_qb_host_reads=False"):
-        _router(moe_balancer="qb_capacity", moe_expert_capacity_factor=1.0, moe_qb_cuda_graph=True)
+        _router(moe_balancer="qb_capacity", moe_expert_capacity_factor=1.0, moe_qb_cuda_graph=True,
+                moe_qb_host_reads=True)
     settings = dict(moe_balancer="qb_capacity", moe_expert_capacity_factor=0.9, moe_qb_num_bins=64,
                     moe_qb_host_reads=False)
     torch.manual_seed(0)

@@ -214,15 +214,47 @@ def test_without_host_reads_equals_host_reads_stopped_after_the_same_rounds(monk
             assert torch.equal(got.experts, (scores + bias).topk(k, dim=1).indices)
 
 
-def test_without_host_reads_enough_device_rounds_give_the_unbounded_result():
+def test_without_host_reads_the_default_rounds_give_the_reading_result(monkeypatch):
+    """``host_reads=False`` with ``device_rounds`` left at None runs every round that can matter (``E`` overflow
+    rounds): no read, and bit for bit the routing with reads however many rounds that needed, so nothing is
+    dropped that the reads would place; stopping earlier drops what could have moved."""
     n, e, k = 300, 16, 4
-    scores = skewed_scores(n, e, seed=21, skew=2.0)
-    unbounded = capacity_routing(scores, k, 1.0, num_bins=32)
-    assert unbounded.rounds > 3  # the case needs rounds beyond the default device rounds
-    got = capacity_routing(scores, k, 1.0, num_bins=32, device_rounds=unbounded.rounds, host_reads=False)
-    assert torch.equal(got.experts, unbounded.experts) and torch.equal(got.global_load, unbounded.global_load)
-    short = capacity_routing(scores, k, 1.0, num_bins=32, device_rounds=1, host_reads=False)
-    assert short.dropped.item() > unbounded.dropped.item()  # stopping early drops what could have moved
+    bias = torch.randn(e, generator=torch.Generator().manual_seed(41)) * 0.1
+    needed = []
+    for seed, skew, cf in [(21, 2.0, 1.0), (22, 3.0, 0.8), (23, 4.0, 1.25), (24, 0.05, 3.0)]:
+        scores = skewed_scores(n, e, seed=seed, skew=skew)
+        with _HostReads(monkeypatch) as host:
+            got = capacity_routing(scores, k, cf, bias=bias, num_bins=32, host_reads=False)
+        assert host.reads == [] and (got.rounds, got.num_kept) == (1 + e, None)
+        expected = capacity_routing(scores, k, cf, bias=bias, num_bins=32, host_reads=True)
+        for name in ("experts", "gates", "global_load", "dropped", "rerouted"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), (seed, name)
+        needed.append(expected.rounds)
+        if expected.rounds > 1 + quantile_capacity.DEVICE_ROUNDS:
+            short = capacity_routing(scores, k, cf, bias=bias, num_bins=32, device_rounds=1, host_reads=False)
+            assert short.dropped.item() > expected.dropped.item()  # stopping early drops what could have moved
+    assert max(needed) > 1 + quantile_capacity.DEVICE_ROUNDS and min(needed) == 1, needed
+
+
+def test_host_reads_and_graphs_are_decided_per_device():
+    """Left at None, one CUDA rank on the Triton rounds reads nothing and replays a graph; the CPU, and forced
+    PyTorch rounds, read. Explicit settings win; a graph needs no reads. (Placing for CUDA runs nothing.)"""
+    from megatron_ext.moe.quantile_capacity import CapacityRouting
+
+    def layout(device, **settings):
+        routing = CapacityRouting(2, 1.0, device=device, **settings)
+        return routing.reads, routing.graphs is not None
+
+    assert layout("cuda") == (False, True)
+    assert layout("cpu") == (True, False)
+    assert layout("cuda", rounds="torch") == (True, False)
+    assert layout("cuda", host_reads=True) == (True, False)
+    assert layout("cuda", cuda_graph=False) == (False, False)  # eager, lossless, no reads
+    assert layout("cpu", cuda_graph=True) == (False, False)  # no graph off CUDA; still no reads
+    assert layout("cpu", host_reads=False) == (False, False)
+    routing = CapacityRouting(2, 1.0, device="cpu")
+    routing.place("cuda")  # a model built on the CPU and moved to the GPU decides again
+    assert (routing.reads, routing.graphs is not None) == (False, True)
 
 
 def test_device_capacity_equals_the_host_formula():
@@ -281,6 +313,7 @@ def test_histogram_counts_skips_invalid_entries():
     (dict(max_rounds=0), "max_rounds"),
     (dict(device_rounds=-1), "device_rounds"),
     (dict(host_reads=0), "host_reads"),
+    (dict(host_reads="no"), "host_reads must be True, False or None"),
 ])
 def test_capacity_routing_rejects_bad_arguments(bad, match):
     kwargs = dict(capacity_factor=1.0) | bad
