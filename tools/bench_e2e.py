@@ -26,7 +26,8 @@ Rows (``--variants``, default all, in this order):
 The ours rows run what training runs: a row is a few config keys (``config_keys`` in its JSON, launch/train.py's
 YAML names) and its ``HybridConfig`` is built by launch/train.py's own config loading (``load_config`` with its
 ``model_section``, then ``validate_layout``), so every key a row does not set has training's default (e.g. the
-capacity routing reads the host, no CUDA graphs). Their optimizer is ``build_optimizer``'s default fast step
+capacity routing on one GPU reads nothing back and replays its rounds from CUDA graphs, lossless; with EP
+ranks or on the CPU it reads the host between rounds). Their optimizer is ``build_optimizer``'s default fast step
 (training's), their gradient buffer ``--main-grad-dtype`` (default ``auto``, training's default: bf16 where
 nothing accumulates, i.e. on one GPU), their update goes through training's NaN guard (``NonFiniteGuard``, on by
 default in training: one host read of the loss and the grad norm per step, before the update). Stock rows call
@@ -34,21 +35,21 @@ Megatron's ``optimizer.step()`` (its clipping reads the grad norm).
 
 A/B rows, not in the default list: ``NAME[+OPTION...]`` on an ours_full row, each option adding config keys:
 
-* ``+graphed``: the capacity routing without host reads, replayed from CUDA graphs (``moe_qb_host_reads: false``,
-  ``moe_qb_cuda_graph: true``: a mode users select with these two keys; not training's default, and it drops
-  pairs when the ``moe_qb_device_rounds`` rounds do not suffice). One GPU only; refused under ``--smoke``;
+* ``+host-reads``: the capacity routing eager, reading the host between rounds (``moe_qb_host_reads: true``,
+  ``moe_qb_cuda_graph: false``: the default on EP groups and the CPU; the same routing as the default);
 * ``+torch-rounds``: one-rank routing rounds as PyTorch ops instead of the Triton kernels
   (``moe_qb_rounds_impl: torch``);
 * ``+no-attnres``: standard residuals instead of Block AttnRes (``attn_res: false``: the technique's overhead).
 
-They combine (``ours_full_16k+graphed+no-attnres``). A name may repeat:
-``--variants ours_full_16k,ours_full_16k+graphed,ours_full_16k,ours_full_16k+graphed`` is an ABAB comparison in
+They combine (``ours_full_16k+host-reads+no-attnres``). A name may repeat:
+``--variants ours_full_16k,ours_full_16k+host-reads,ours_full_16k,ours_full_16k+host-reads`` is an ABAB comparison in
 one process. Kernel launch choices are compared across commits (they are not switches).
 
 Fields of a row (JSON; the printed table shows the starred ones):
 
 * ``name``*, ``gpus``*, ``seq``*, ``micro_batch``* (mb); stock rows ``attention`` (their core attention); ours rows
-  ``config_keys`` and ``attn_res``, capacity rows also ``qb_host_reads`` / ``qb_cuda_graph``;
+  ``config_keys`` and ``attn_res``, capacity rows also ``qb_host_reads`` / ``qb_cuda_graph`` (as resolved for the
+  row's device);
 * ``step_ms``*: median step time (CUDA events around the whole step; max over ranks);
 * ``optimizer_ms``* (optim ms): median time of the ``optimizer.step()`` inside those same timed steps (Megatron's
   optimizer for stock, our fast step for ours), CUDA events around it read after the steps (no added sync; on
@@ -84,7 +85,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -96,7 +96,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
 from tools.e2e_rows import (  # noqa: E402
     CAPACITY_FACTOR, GPU_SIZES, ROW_OPTIONS, SMOKE_SIZES, STOCK_ATTENTION, STOCK_AUX_LOSS, VARIANTS, split_variant,
-    variant_problem, variant_setup, variant_shape,
+    capacity_layout, variant_problem, variant_setup, variant_shape,
 )
 
 DEFAULT_OUT = "docs/bench/e2e-h200.json"
@@ -110,7 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated rows, NAME[+OPTION...]: NAME one of " + ", ".join(VARIANTS)
                         + "; OPTION (ours_full rows only) one of " + ", ".join(ROW_OPTIONS)
-                        + " (+graphed: one GPU, not --smoke); default: every NAME, no options")
+                        + "; default: every NAME, no options")
     p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny sizes, gloo: checks the code path")
     p.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}; none for --smoke)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 10; smoke 2)")
@@ -134,9 +134,8 @@ def parse_args(argv=None):
     if not args.smoke and args.steps < 10:
         p.error("--steps must be >= 10 for GPU timings")
     args.variants = [v for v in args.variants.split(",") if v]
-    world = int(os.environ.get("WORLD_SIZE", 1))  # torchrun's; the process group does not exist yet
     for name in args.variants + ([args.profile] if args.profile else []):
-        problem = variant_problem(name, cuda=not args.smoke, world=world)
+        problem = variant_problem(name)
         if problem:
             p.error(f"variant {name!r}: {problem}")
     if args.out is None and not args.smoke and args.profile is None:
@@ -168,7 +167,7 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
     try:
         bench_common.init_expert_parallel(seed=1234)
         setup = variant_setup(name, args, cuda)
-        row.update(config_fields(setup))
+        row.update(config_fields(setup, cuda))
         steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
         timing = bench_common.time_training_step(
             setup.build, setup.config, args.sizes["vocab"], seq, micro_batch, warmup, steps,
@@ -192,13 +191,15 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
 MEASURED_KEYS = ("step_ms", "optimizer_ms", "tokens_per_sec", "tflops", "mfu", "mfu_datasheet", "peak_gb")
 
 
-def config_fields(setup) -> dict:
+def config_fields(setup, cuda: bool) -> dict:
     """What an ours row's config is: the keys it sets and, for capacity routing, the routing layout."""
+    from megatron.core import parallel_state as ps
+
     if setup.config_keys is None:
         return {}
     fields = {"config_keys": setup.config_keys, "attn_res": setup.config.attn_res}
     if setup.counters is not None:
-        fields.update(qb_host_reads=setup.config.moe_qb_host_reads, qb_cuda_graph=setup.config.moe_qb_cuda_graph)
+        fields.update(capacity_layout(setup.config, cuda, ps.get_expert_model_parallel_group()))
     return fields
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 VARIANTS = ("stock", "stock_sdpa", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
 # ``+OPTION`` of an ours_full row -> the config keys it sets on top of the row's (bench_e2e.py's docstring).
 OPTION_KEYS = {
-    "graphed": {"moe_qb_host_reads": False, "moe_qb_cuda_graph": True},
+    "host-reads": {"moe_qb_host_reads": True, "moe_qb_cuda_graph": False},
     "torch-rounds": {"moe_qb_rounds_impl": "torch"},
     "no-attnres": {"attn_res": False},
 }
@@ -42,8 +42,8 @@ def split_variant(name: str) -> tuple[str, frozenset[str]]:
     return base, frozenset(options)
 
 
-def variant_problem(name: str, cuda: bool = True, world: int = 1) -> str | None:
-    """Why ``name`` is not a row this script can run (None when it can) on ``world`` ranks, CUDA or the CPU."""
+def variant_problem(name: str) -> str | None:
+    """Why ``name`` is not a row this script can run (None when it can)."""
     base, options = split_variant(name)
     if base not in VARIANTS:
         return f"unknown row {base!r}; known: {', '.join(VARIANTS)}"
@@ -52,10 +52,6 @@ def variant_problem(name: str, cuda: bool = True, world: int = 1) -> str | None:
         return f"unknown option {'+' + unknown[0]!r}; known: {', '.join('+' + o for o in ROW_OPTIONS)}"
     if options and not base.startswith("ours_full"):
         return "+options apply to the ours_full rows (capacity routing, AttnRes) only"
-    if "graphed" in options and not cuda:
-        return "+graphed replays the capacity routing from CUDA graphs: it needs a CUDA GPU, not --smoke"
-    if "graphed" in options and world > 1:
-        return "+graphed runs on one GPU only (moe_qb_cuda_graph is one-rank capacity routing)"
     return None
 
 
@@ -176,6 +172,17 @@ def build_stock_chunks(config, sizes: dict, seq: int, attention: str) -> list:
                      max_sequence_length=seq, share_embeddings_and_output_weights=False,
                      position_embedding_type="rope")
     return [model.cuda(torch.cuda.current_device()) if torch.cuda.is_available() else model]
+
+
+def capacity_layout(config, cuda: bool, ep_group) -> dict:
+    """``qb_host_reads`` / ``qb_cuda_graph`` as the routers resolve the row's settings (None: per device) on its
+    device and EP group (``CapacityRouting.place``)."""
+    from megatron_ext.moe.quantile_capacity import CapacityRouting
+
+    routing = CapacityRouting(config.moe_router_topk, config.moe_expert_capacity_factor, group=ep_group,
+                              host_reads=config.moe_qb_host_reads, cuda_graph=config.moe_qb_cuda_graph,
+                              rounds=config.moe_qb_rounds_impl, device="cuda" if cuda else "cpu")
+    return {"qb_host_reads": routing.reads, "qb_cuda_graph": routing.graphs is not None}
 
 
 class RowSetup(NamedTuple):

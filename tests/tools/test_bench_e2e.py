@@ -55,7 +55,7 @@ def test_smoke_times_every_variant_and_profiles_one(tmp_path):
         if name in CAPACITY_ROWS:  # capacity 1.25 suffices at the smoke shape: nothing dropped
             assert type(row["dropped"]) is int and type(row["rerouted"]) is int, name
             assert row["dropped"] == 0 and row["rerouted"] >= 0, name
-            assert (row["qb_host_reads"], row["qb_cuda_graph"]) == (True, False)  # training's defaults
+            assert (row["qb_host_reads"], row["qb_cuda_graph"]) == (True, False)  # training's defaults on the CPU
         else:
             assert "dropped" not in row and "rerouted" not in row, name
     assert (rows["stock"]["attention"], rows["stock_sdpa"]["attention"]) == ("DotProductAttention", "SDPA")
@@ -102,21 +102,15 @@ def test_two_gpu_rows_get_their_scaling_efficiency(tmp_path):
     assert "scaling_efficiency" not in rows[("stock", 2)] and "scaling_efficiency" not in rows[("ours_base", 1)]
 
 
-def test_option_rows_parse_with_repeats_and_graphed_needs_one_gpu(capsys, monkeypatch):
+def test_option_rows_parse_with_repeats(capsys):
     from tools.bench_e2e import parse_args
     from tools.e2e_rows import GPU_SIZES, variant_shape
 
-    args = parse_args(["--variants", "ours_full_16k,ours_full_16k+graphed,ours_full_16k,ours_full_16k+graphed"])
-    assert args.variants == ["ours_full_16k", "ours_full_16k+graphed"] * 2  # ABAB stays in order
-    assert variant_shape("ours_full_16k+graphed", GPU_SIZES) == variant_shape("ours_full_16k", GPU_SIZES)
-    assert variant_shape("ours_full+graphed", GPU_SIZES) == (GPU_SIZES["seq"], GPU_SIZES["micro_batch"])
-    with pytest.raises(SystemExit):
-        parse_args(["--smoke", "--variants", "ours_full+graphed"])
-    assert "+graphed replays the capacity routing from CUDA graphs: it needs a CUDA GPU" in capsys.readouterr().err
-    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun with two ranks
-    with pytest.raises(SystemExit):
-        parse_args(["--variants", "ours_full+graphed"])
-    assert "one GPU only" in capsys.readouterr().err
+    args = parse_args(["--variants", "ours_full_16k,ours_full_16k+host-reads,ours_full_16k,ours_full_16k+host-reads"])
+    assert args.variants == ["ours_full_16k", "ours_full_16k+host-reads"] * 2  # ABAB stays in order
+    assert variant_shape("ours_full_16k+host-reads", GPU_SIZES) == variant_shape("ours_full_16k", GPU_SIZES)
+    assert variant_shape("ours_full+host-reads", GPU_SIZES) == (GPU_SIZES["seq"], GPU_SIZES["micro_batch"])
+    assert parse_args(["--smoke", "--variants", "ours_full+host-reads"]).variants == ["ours_full+host-reads"]
     for removed in (["--qb-cuda-graph", "on"], ["--qb-host-reads", "off"], ["--qb-device-rounds", "2"],
                     ["--stock-attention", "sdpa"]):
         with pytest.raises(SystemExit):
@@ -142,7 +136,7 @@ def test_ours_rows_are_what_launch_train_builds_from_their_keys(tmp_path, monkey
     from launch.train import model_section
     from megatron_ext.config import HybridConfig
     from megatron_ext.training.arguments import TRAINING_SECTIONS, load_config
-    from tools.e2e_rows import SMOKE_SIZES, row_config_keys
+    from tools.e2e_rows import SMOKE_SIZES, capacity_layout, row_config_keys
 
     for name in ("ours_base", "ours_full_16k"):
         row = _config(name, monkeypatch)
@@ -156,7 +150,8 @@ def test_ours_rows_are_what_launch_train_builds_from_their_keys(tmp_path, monkey
         assert differing == set(), (name, differing)
     full = _config("ours_full", monkeypatch)
     defaults = HybridConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
-    assert (full.moe_qb_host_reads, full.moe_qb_cuda_graph) == (defaults.moe_qb_host_reads, False)
+    assert (full.moe_qb_host_reads, full.moe_qb_cuda_graph) == (defaults.moe_qb_host_reads, defaults.moe_qb_cuda_graph)
+    assert capacity_layout(full, True, None) == {"qb_host_reads": False, "qb_cuda_graph": True}  # one GPU
     assert full.moe_qb_device_rounds == defaults.moe_qb_device_rounds
 
 
@@ -166,14 +161,11 @@ def test_row_options_set_their_config_keys(monkeypatch):
 
     from tools.e2e_rows import OPTION_KEYS, SMOKE_SIZES, row_config_keys, split_variant
 
-    name = "ours_full_16k+graphed+torch-rounds"
-    assert split_variant(name) == ("ours_full_16k", {"graphed", "torch-rounds"})
-    assert row_config_keys(name, SMOKE_SIZES)["moe_qb_cuda_graph"] is True
+    name = "ours_full_16k+host-reads+torch-rounds"
+    assert split_variant(name) == ("ours_full_16k", {"host-reads", "torch-rounds"})
+    assert row_config_keys(name, SMOKE_SIZES)["moe_qb_host_reads"] is True
     plain = _config("ours_full", monkeypatch)
     for option, keys in OPTION_KEYS.items():
-        if option == "graphed":  # a CUDA graph of the capacity routing cannot be built on the CPU: keys only
-            assert keys == {"moe_qb_host_reads": False, "moe_qb_cuda_graph": True}
-            continue
         config = _config(f"ours_full+{option}", monkeypatch)
         differing = {f.name for f in dataclasses.fields(config)
                      if not callable(getattr(config, f.name))  # init functions: a new closure per config
@@ -211,7 +203,8 @@ def leaves_no_process_group():
 
 
 @pytest.mark.parametrize("name,message", [("ours_full+fast", "unknown option '\\+fast'"),
-                                          ("ours_base+graphed", "apply to the ours_full rows"),
+                                          ("ours_base+host-reads", "apply to the ours_full rows"),
+                                          ("ours_full+graphed", "unknown option '\\+graphed'"),
                                           ("stock_sdpa+no-attnres", "apply to the ours_full rows"),
                                           ("ours_full+eager", "unknown option '\\+eager'"),
                                           ("ours_full_16k@state-bv32", "unknown row")])

@@ -60,10 +60,10 @@ step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-
 # expandable segments: the five variants of one process reuse memory of different shapes
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 step e2e ${E2E_LIMIT:-400} python3 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200.json"
-# ours_full_16k as training runs it and as A/B rows (+graphed: capacity routing from CUDA graphs), in one process
-# beside ours_base_16k (the criterion's other side)
+# ours_full as training runs it (one GPU: graphed capacity routing, no host reads) and as A/B rows (+host-reads:
+# the eager routing that reads between rounds), in one process beside ours_base (the criterion's other side)
 step e2e-ab ${E2E_LIMIT:-300} python3 tools/bench_e2e.py --out "$OUT/e2e-ab-h200.json" \
-  --variants ${E2E_AB_VARIANTS:-ours_base_16k,ours_full_16k,ours_full_16k+graphed,ours_full_16k,ours_full_16k+graphed,ours_base_16k}
+  --variants ${E2E_AB_VARIANTS:-ours_base,ours_full,ours_full+host-reads,ours_full,ours_full+host-reads,ours_base}
 step e2e2 ${E2E_LIMIT:-300} torchrun --standalone --nproc-per-node 2 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200x2.json"
 step profile ${PROFILE_LIMIT:-150} python3 tools/bench_e2e.py --profile ${PROFILE_VARIANT:-ours_full} --profile-out "$OUT/profile-${PROFILE_VARIANT:-ours_full}.md"
 tail -n 60 "$LOG" | grep -E "^===|passed|failed|error|Error" | tail -40
