@@ -8,7 +8,8 @@ override the YAML file; ``--help`` lists every key. The loop reads top to bottom
   3. resume from ``--load`` (model, optimizer, scheduler, data position, RNG): the newest
      intact checkpoint of the same model; none there starts from scratch, so ``--load`` =
      ``--save`` makes a job that resumes itself;
-  4. per iteration: microbatches through Megatron's pipeline schedule, optimizer step (not
+  4. per iteration: microbatches through Megatron's pipeline schedule (with ``cuda_graph_step``
+     replayed from one CUDA graph after two eager steps), optimizer step (not
      applied when the loss or grad norm is NaN/inf), per-step router-bias updates, logs
      (progress line, TensorBoard, metrics.jsonl);
   5. evaluation and atomic checkpoints every N iterations, at the end, and after the step in
@@ -102,6 +103,9 @@ def main(argv=None) -> None:
     par, train, data_cfg = cfg[ParallelConfig], cfg[TrainingConfig], cfg[DataConfig]
     ckpt_cfg, log_cfg = cfg[CheckpointConfig], cfg[LoggingConfig]
     validate_layout(model_cfg, world)
+    from megatron_ext.training.step_graph import StepGraph, check_step_graph
+
+    check_step_graph(train.cuda_graph_step, model_cfg, world, torch.cuda.is_available())
     init_distributed()
 
     from megatron.core import parallel_state as ps
@@ -157,6 +161,7 @@ def main(argv=None) -> None:
         wd_incr_steps=train.train_iters,
         wd_incr_style="constant",
     )
+    step_graph = StepGraph(chunks, train.seq_length, train.micro_batch_size) if train.cuda_graph_step else None
     guard = NonFiniteGuard(optimizer, loss_group=ps.get_pipeline_model_parallel_group(),
                            enabled=train.check_for_nan_in_loss_and_grad,
                            max_skipped=train.max_skipped_nonfinite_steps)
@@ -274,7 +279,8 @@ def main(argv=None) -> None:
             optimizer.zero_grad()
             # One host read between here and the logging below: the NaN guard's, of the loss and the grad norm
             # inside the step, before the update (they stay device tensors until logged).
-            loss = run([next(data.train) for _ in range(micro_per_step)], read_loss=False)
+            microbatches = [next(data.train) for _ in range(micro_per_step)]
+            loss = step_graph(microbatches) if step_graph else run(microbatches, read_loss=False)
             applied, grad_norm = guard.step(loss)  # the same on every rank
             if applied:
                 scheduler.step(increment=1)

@@ -206,28 +206,33 @@ def free_device_memory(device: torch.device) -> None:
 
 def training_step_fn(chunks: list, optimizer, vocab_size: int, seq: int, micro_batch: int,
                      after_step: Callable[[list], None] | None = None, profiler=None,
-                     optimizer_timer: RegionTimer | None = None, nan_guard: bool = False) -> Callable[[], None]:
+                     optimizer_timer: RegionTimer | None = None, nan_guard: bool = False,
+                     step_graph: bool = False) -> Callable[[], None]:
     """One training step of built chunks on a fixed synthetic microbatch (this rank's own tokens: under EP
     every rank routes a different batch, as in training): zero the grads, forward + backward through
     Megatron's schedule, ``optimizer.step()`` (inside ``optimizer_timer`` when given), ``after_step(chunks)``,
     ``profiler.step()``. ``nan_guard``: the update goes through training's ``NonFiniteGuard`` (launch/train.py's
-    default ``check_for_nan_in_loss_and_grad``: one host read of the loss and the grad norm before the update)."""
+    default ``check_for_nan_in_loss_and_grad``: one host read of the loss and the grad norm before the update).
+    ``step_graph``: the forward and backward through training's ``StepGraph`` (``cuda_graph_step``: two eager steps,
+    then captured and replayed; the warm-up must cover three steps)."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext.training.nonfinite_guard import NonFiniteGuard
     from megatron_ext.training.step import forward_backward
+    from megatron_ext.training.step_graph import StepGraph
 
     model_device = next(chunks[0].parameters()).device
     batch = [synthetic_batch(vocab_size, seq, micro_batch, model_device, seed=dist.get_rank())]
     timed_update = optimizer_timer if optimizer_timer is not None else contextlib.nullcontext()
     guard = NonFiniteGuard(optimizer, loss_group=ps.get_pipeline_model_parallel_group()) if nan_guard else None
+    graphed = StepGraph(chunks, seq, micro_batch) if step_graph else None
 
     def step():
         for c in chunks:
             c.zero_grad_buffer()
         optimizer.zero_grad()
         # as launch/train.py: the loss stays on the device (the guard reads it with the grad norm)
-        loss = forward_backward(chunks, batch, seq, micro_batch, read_loss=False)
+        loss = graphed(batch) if graphed else forward_backward(chunks, batch, seq, micro_batch, read_loss=False)
         with timed_update:
             if guard is None:
                 optimizer.step()
@@ -323,7 +328,8 @@ def build_training_state(build_chunks: Callable[[], list], config, fast_step: bo
 def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int, seq: int,
                        micro_batch: int, warmup: int, steps: int, after_step: Callable[[list], None] | None = None,
                        profiler=None, fast_step: bool = True, main_grad_dtype: str = "fp32",
-                       manual_gc: bool = True, counters=None, nan_guard: bool = False) -> dict:
+                       manual_gc: bool = True, counters=None, nan_guard: bool = False,
+                       step_graph: bool = False) -> dict:
     """Median ms of one training step and of the ``optimizer.step()`` inside it (``optimizer_ms``: the same timed
     steps, a :class:`RegionTimer` around the update, read after the steps; both max over ranks), the peak
     memory (GB) of this rank and the gradient buffer's dtype
@@ -339,7 +345,8 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     no collection inside the timed window); False leaves the automatic collector on. ``counters``: an object
     with ``reset(chunks)``, called after the warm-up, and ``read(chunks) -> dict``, called after the timed
     steps (outside the timed region); its dict joins the result (e.g. dropped pairs summed over the timed steps).
-    ``nan_guard``: the update through training's NaN guard (:func:`training_step_fn`).
+    ``nan_guard``, ``step_graph``: as training steps (:func:`training_step_fn`); with ``step_graph`` at least three
+    warm-up steps (two eager, one capture), else the timed steps would include them.
     """
     from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
 
@@ -350,8 +357,10 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     grad_dtype = next(p.main_grad.dtype for c in chunks for p in c.parameters() if hasattr(p, "main_grad"))
     model_device = next(chunks[0].parameters()).device
     optimizer_timer = RegionTimer(model_device.type == "cuda")
+    if step_graph and warmup < 3:
+        raise ValueError(f"step_graph needs at least 3 warm-up steps (two eager, one capture), got {warmup}")
     step = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch, after_step, profiler, optimizer_timer,
-                            nan_guard)
+                            nan_guard, step_graph)
 
     try:
         with manual_gc_scope(manual_gc, 0):

@@ -135,7 +135,7 @@ def parse_args(argv=None):
         p.error("--steps must be >= 10 for GPU timings")
     args.variants = [v for v in args.variants.split(",") if v]
     for name in args.variants + ([args.profile] if args.profile else []):
-        problem = variant_problem(name)
+        problem = variant_problem(name, cuda=not args.smoke)
         if problem:
             p.error(f"variant {name!r}: {problem}")
     if args.out is None and not args.smoke and args.profile is None:
@@ -173,7 +173,7 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
             setup.build, setup.config, args.sizes["vocab"], seq, micro_batch, warmup, steps,
             after_step=setup.after_step, profiler=profiler, fast_step=not stock,
             main_grad_dtype="fp32" if stock else args.main_grad_dtype, manual_gc=not args.automatic_gc,
-            counters=setup.counters, nan_guard=not stock)
+            counters=setup.counters, nan_guard=not stock, step_graph=setup.step_graph)
         row.update(measured_fields(timing, setup, world, args.peak_tflops), manual_gc=not args.automatic_gc)
     except Exception as exc:  # keep the other variants' rows; say why this one is missing
         if dist.get_rank() == 0:

@@ -19,7 +19,10 @@ OPTION_KEYS = {
     "host-reads": {"moe_qb_host_reads": True, "moe_qb_cuda_graph": False},
     "torch-rounds": {"moe_qb_rounds_impl": "torch"},
     "no-attnres": {"attn_res": False},
+    "step-graph": {"cuda_graph_step": True},
 }
+# The rows each option applies to (by name prefix): the capacity-routing and AttnRes options need ours_full.
+OPTION_ROWS = {"host-reads": "ours_full", "torch-rounds": "ours_full", "no-attnres": "ours_full", "step-graph": "ours"}
 ROW_OPTIONS = tuple(OPTION_KEYS)
 STOCK_ATTENTION = {"stock": "DotProductAttention", "stock_sdpa": "SDPA"}  # stock rows -> core attention
 GPU_SIZES = dict(
@@ -42,16 +45,19 @@ def split_variant(name: str) -> tuple[str, frozenset[str]]:
     return base, frozenset(options)
 
 
-def variant_problem(name: str) -> str | None:
-    """Why ``name`` is not a row this script can run (None when it can)."""
+def variant_problem(name: str, cuda: bool = True) -> str | None:
+    """Why ``name`` is not a row this script can run (None when it can), on CUDA or the CPU."""
     base, options = split_variant(name)
     if base not in VARIANTS:
         return f"unknown row {base!r}; known: {', '.join(VARIANTS)}"
     unknown = sorted(options - set(ROW_OPTIONS))
     if unknown:
         return f"unknown option {'+' + unknown[0]!r}; known: {', '.join('+' + o for o in ROW_OPTIONS)}"
-    if options and not base.startswith("ours_full"):
-        return "+options apply to the ours_full rows (capacity routing, AttnRes) only"
+    for option in sorted(options):
+        if not base.startswith(OPTION_ROWS[option]):
+            return f"+{option} applies to the {OPTION_ROWS[option]}* rows only"
+    if "step-graph" in options and not cuda:
+        return "+step-graph replays the step from a CUDA graph: it needs a CUDA GPU, not --smoke"
     return None
 
 
@@ -105,6 +111,10 @@ def ours_config(name: str, sizes: dict, cuda: bool):
                          world_size=world)
     config = loaded[HybridConfig]
     validate_layout(config, world)
+    from megatron_ext.training.sections import TrainingConfig
+    from megatron_ext.training.step_graph import check_step_graph
+
+    check_step_graph(loaded[TrainingConfig].cuda_graph_step, config, world, cuda)
     return config
 
 
@@ -185,6 +195,11 @@ def capacity_layout(config, cuda: bool, ep_group) -> dict:
     return {"qb_host_reads": routing.reads, "qb_cuda_graph": routing.graphs is not None}
 
 
+def row_step_graph(name: str, sizes: dict) -> bool:
+    """Whether the row's step is replayed from a CUDA graph (its ``cuda_graph_step`` key; training's default off)."""
+    return bool(row_config_keys(name, sizes).get("cuda_graph_step", False))
+
+
 class RowSetup(NamedTuple):
     build: Callable[[], list]  # the model chunks
     config: object  # HybridConfig (ours) or TransformerConfig (stock)
@@ -194,6 +209,7 @@ class RowSetup(NamedTuple):
     micro_batch: int
     counters: CapacityCounters | None  # capacity rows: dropped / rerouted pairs
     config_keys: dict | None  # ours rows: the keys set (launch/train.py's names); the rest is training's default
+    step_graph: bool = False  # forward and backward replayed from a CUDA graph (cuda_graph_step)
 
 
 def variant_setup(name: str, args, cuda: bool) -> RowSetup:
@@ -219,4 +235,4 @@ def variant_setup(name: str, args, cuda: bool) -> RowSetup:
 
     counters = CapacityCounters(bias_group) if has_capacity_routing(config) else None
     return RowSetup(lambda: build_model_chunks(config), config, after_step, config, seq, micro_batch, counters,
-                    row_config_keys(name, sizes))
+                    row_config_keys(name, sizes), row_step_graph(name, sizes))

@@ -145,7 +145,8 @@ class CapacityRouting:
         if scores.device.type != self.device_type:
             raise ValueError(f"this capacity routing was placed for {self.device_type} scores, got "
                              f"{scores.device.type} ones (place() it on their device)")
-        if self.graphs is not None:
+        # Inside a larger capture (cuda_graph_step) the eager call's kernels join that graph instead.
+        if self.graphs is not None and not torch.cuda.is_current_stream_capturing():
             return self.graphs(self, scores, bias, renormalize)
         with torch.no_grad():  # only the gates below are differentiable
             result = self._route(scores.detach(), bias)

@@ -90,6 +90,9 @@ class TrainingConfig:
     # read per step); the run stops once more than max_skipped_nonfinite_steps were skipped (0: at the first).
     check_for_nan_in_loss_and_grad: bool = True
     max_skipped_nonfinite_steps: int = 0
+    # Each step's forward and backward replayed from one CUDA graph after two eager steps
+    # (megatron_ext/training/step_graph.py): one process on a GPU, no host reads in the step.
+    cuda_graph_step: bool = False
 
     def __post_init__(self):
         for key in ("micro_batch_size", "seq_length", "train_iters"):

@@ -64,6 +64,7 @@ def forward_backward(
     if not losses:
         return None
     loss = torch.stack([d["lm loss"] for d in losses]).mean()
-    torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
     world = ps.get_data_parallel_world_size()
+    if world > 1:  # one rank: no collective (nothing for a CUDA graph of the step to capture)
+        torch.distributed.all_reduce(loss, group=ps.get_data_parallel_group())
     return float(loss) / world if read_loss else loss / world

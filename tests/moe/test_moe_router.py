@@ -299,3 +299,25 @@ def test_cuda_graph_routing_captures_again_after_the_previous_model_is_freed():
         del graphed, got
         gc.collect()
     torch.randn(4, device="cuda")  # the generator is usable outside capture
+
+
+@pytest.mark.gpu
+def test_graphed_capacity_routing_joins_an_outer_capture():
+    """Inside a larger capture (cuda_graph_step) a graphed router runs its rounds eagerly, so they join that graph
+    (a capture cannot nest): the outer graph's replay routes new scores as the eager call does."""
+    from megatron_ext.moe.quantile_capacity import CapacityRouting
+    from tests.moe.test_quantile_capacity import skewed_scores
+
+    routing = CapacityRouting(8, 1.0, num_bins=256, device="cuda")  # one GPU's default: no reads, graphed
+    assert routing.graphs is not None
+    static = skewed_scores(4096, 64, seed=0, skew=0.5).cuda()
+    routing(static)  # warm-up (compiles; captures the router's own graph, unused below)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routing(static)
+    for seed in (1, 2):
+        static.copy_(skewed_scores(4096, 64, seed=seed, skew=0.5).cuda())
+        graph.replay()
+        expected = capacity_routing(static, 8, 1.0, num_bins=256, host_reads=True)
+        for name in ("experts", "gates", "dropped", "rerouted", "global_load"):
+            assert torch.equal(getattr(out, name), getattr(expected, name)), (seed, name)

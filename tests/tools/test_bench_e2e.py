@@ -111,6 +111,11 @@ def test_option_rows_parse_with_repeats(capsys):
     assert variant_shape("ours_full_16k+host-reads", GPU_SIZES) == variant_shape("ours_full_16k", GPU_SIZES)
     assert variant_shape("ours_full+host-reads", GPU_SIZES) == (GPU_SIZES["seq"], GPU_SIZES["micro_batch"])
     assert parse_args(["--smoke", "--variants", "ours_full+host-reads"]).variants == ["ours_full+host-reads"]
+    assert parse_args(["--variants", "ours_base+step-graph,ours_full+step-graph"]).variants == [
+        "ours_base+step-graph", "ours_full+step-graph"]
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--variants", "ours_base+step-graph"])
+    assert "+step-graph replays the step from a CUDA graph: it needs a CUDA GPU" in capsys.readouterr().err
     for removed in (["--qb-cuda-graph", "on"], ["--qb-host-reads", "off"], ["--qb-device-rounds", "2"],
                     ["--stock-attention", "sdpa"]):
         with pytest.raises(SystemExit):
@@ -166,6 +171,9 @@ def test_row_options_set_their_config_keys(monkeypatch):
     assert row_config_keys(name, SMOKE_SIZES)["moe_qb_host_reads"] is True
     plain = _config("ours_full", monkeypatch)
     for option, keys in OPTION_KEYS.items():
+        if option == "step-graph":  # a training key (TrainingConfig), refused on the CPU: keys only
+            assert keys == {"cuda_graph_step": True}
+            continue
         config = _config(f"ours_full+{option}", monkeypatch)
         differing = {f.name for f in dataclasses.fields(config)
                      if not callable(getattr(config, f.name))  # init functions: a new closure per config
@@ -203,9 +211,10 @@ def leaves_no_process_group():
 
 
 @pytest.mark.parametrize("name,message", [("ours_full+fast", "unknown option '\\+fast'"),
-                                          ("ours_base+host-reads", "apply to the ours_full rows"),
+                                          ("ours_base+host-reads", "applies to the ours_full\\* rows"),
+                                          ("stock+step-graph", "applies to the ours\\* rows"),
                                           ("ours_full+graphed", "unknown option '\\+graphed'"),
-                                          ("stock_sdpa+no-attnres", "apply to the ours_full rows"),
+                                          ("stock_sdpa+no-attnres", "applies to the ours_full\\* rows"),
                                           ("ours_full+eager", "unknown option '\\+eager'"),
                                           ("ours_full_16k@state-bv32", "unknown row")])
 def test_unknown_or_misplaced_row_options_are_refused(name, message, capsys):
