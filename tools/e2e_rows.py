@@ -195,11 +195,6 @@ def capacity_layout(config, cuda: bool, ep_group) -> dict:
     return {"qb_host_reads": routing.reads, "qb_cuda_graph": routing.graphs is not None}
 
 
-def row_step_graph(name: str, sizes: dict) -> bool:
-    """Whether the row's step is replayed from a CUDA graph (its ``cuda_graph_step`` key; training's default off)."""
-    return bool(row_config_keys(name, sizes).get("cuda_graph_step", False))
-
-
 class RowSetup(NamedTuple):
     build: Callable[[], list]  # the model chunks
     config: object  # HybridConfig (ours) or TransformerConfig (stock)
@@ -234,5 +229,7 @@ def variant_setup(name: str, args, cuda: bool) -> RowSetup:
         update_expert_biases(chunks, bias_group)
 
     counters = CapacityCounters(bias_group) if has_capacity_routing(config) else None
+    keys = row_config_keys(name, sizes)
+    # the row's cuda_graph_step key (training's default: off)
     return RowSetup(lambda: build_model_chunks(config), config, after_step, config, seq, micro_batch, counters,
-                    row_config_keys(name, sizes), row_step_graph(name, sizes))
+                    keys, keys.get("cuda_graph_step", False))

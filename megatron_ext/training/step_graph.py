@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ext.errors import ConfigError
+from megatron_ext.moe.balancers import CAPACITY_BALANCERS
 from megatron_ext.training.step import forward_backward
 
 __all__ = ["StepGraph", "CudaStepGraph", "check_step_graph"]
@@ -43,8 +44,8 @@ def check_step_graph(enabled: bool, model_cfg, world_size: int, cuda: bool) -> N
     if world_size != 1:
         raise ConfigError(f"cuda_graph_step: true runs on one process (world size 1), got world size {world_size}: "
                           "the step's collectives are not captured yet")
-    if getattr(model_cfg, "moe_qb_host_reads", None) and getattr(model_cfg, "moe_balancer", "none") in (
-            "qb_capacity", "qb_both"):
+    if (getattr(model_cfg, "moe_qb_host_reads", None)
+            and getattr(model_cfg, "moe_balancer", "none") in CAPACITY_BALANCERS):
         raise ConfigError("cuda_graph_step: true needs moe_qb_host_reads: false or null (a host read inside the "
                           "step cannot be captured)")
 
