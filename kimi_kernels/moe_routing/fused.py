@@ -143,7 +143,7 @@ class KernelRounds:
         # Row 0 stands for a round before round 1 that refused something (round 1 always runs); step s writes
         # row s + 1 and its kernels read row s. ``flags`` is the rows of the steps.
         self._flags = torch.zeros(max_steps + 1, 2, dtype=torch.int32, device=device)
-        self._flags[0, 1] = 1
+        self._flags[0, 1].fill_(1)  # a kernel, not a host copy: this runs inside CUDA graph captures
         self.flags = self._flags[1:]
         self.admitted = torch.zeros(1, dtype=torch.int32, device=device)
         self.steps = 0
