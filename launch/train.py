@@ -103,7 +103,7 @@ def main(argv=None) -> None:
     par, train, data_cfg = cfg[ParallelConfig], cfg[TrainingConfig], cfg[DataConfig]
     ckpt_cfg, log_cfg = cfg[CheckpointConfig], cfg[LoggingConfig]
     validate_layout(model_cfg, world)
-    from megatron_ext.training.step_graph import StepGraph, check_step_graph
+    from megatron_ext.training.step_graph import StepGraph, capture_stream, check_step_graph
 
     check_step_graph(train.cuda_graph_step, model_cfg, world, torch.cuda.is_available())
     init_distributed()
@@ -132,9 +132,10 @@ def main(argv=None) -> None:
     # 1-2. Parallel state, model, DDP, optimizer, schedule.
     initialize_parallel(model_cfg, train.seed)
     micro_per_step = train.global_batch_size // (train.micro_batch_size * ps.get_data_parallel_world_size())
+    graph_stream = capture_stream(train.cuda_graph_step)
     chunks = wrap_ddp(
         build_model_chunks(model_cfg), model_cfg, use_distributed_optimizer=par.use_distributed_optimizer,
-        main_grad_dtype=train.main_grad_dtype, micro_batches_per_step=micro_per_step,
+        main_grad_dtype=train.main_grad_dtype, micro_batches_per_step=micro_per_step, stream=graph_stream,
     )
     optimizer = build_optimizer(
         chunks,
@@ -161,7 +162,8 @@ def main(argv=None) -> None:
         wd_incr_steps=train.train_iters,
         wd_incr_style="constant",
     )
-    step_graph = StepGraph(chunks, train.seq_length, train.micro_batch_size) if train.cuda_graph_step else None
+    step_graph = (StepGraph(chunks, train.seq_length, train.micro_batch_size, stream=graph_stream)
+                  if train.cuda_graph_step else None)
     guard = NonFiniteGuard(optimizer, loss_group=ps.get_pipeline_model_parallel_group(),
                            enabled=train.check_for_nan_in_loss_and_grad,
                            max_skipped=train.max_skipped_nonfinite_steps)

@@ -17,6 +17,8 @@ the data-parallel size is what the world leaves.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -179,22 +181,29 @@ def wrap_ddp(
     fresh_main_grads: bool = True,
     main_grad_dtype: str = "fp32",
     micro_batches_per_step: int | None = None,
+    stream: torch.cuda.Stream | None = None,
 ) -> list[DistributedDataParallel]:
     """Megatron DDP around each chunk. ``main_grad_dtype`` (``fp32`` | ``bf16`` | ``auto``, see
     :func:`resolve_main_grad_dtype`; ``auto`` needs ``micro_batches_per_step``): the dtype gradients are
     accumulated and reduced in; the default ``fp32`` is what we always did. ``fresh_main_grads``: the step's
     first gradients are copied into the buffer instead of a zero fill plus add
-    (:func:`megatron_ext.speed_patches.use_fresh_main_grads`); ``False`` is Megatron's own behaviour."""
+    (:func:`megatron_ext.speed_patches.use_fresh_main_grads`); ``False`` is Megatron's own behaviour.
+    ``stream``: DDP is built with it current. Autograd accumulates a parameter's gradient on the stream its
+    AccumulateGrad node was made on, and Megatron's DDP makes (and keeps) those nodes here: a step captured in
+    a CUDA graph (``cuda_graph_step``) passes its capture stream, as a capture cannot wait on the default stream."""
     dtype = resolve_main_grad_dtype(main_grad_dtype, config, micro_batches_per_step)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=dtype == "fp32",
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    wrapped = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
-    ]
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        wrapped = [
+            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+    if stream is not None:  # the buffers DDP filled on ``stream`` are read on the current one next
+        torch.cuda.current_stream().wait_stream(stream)
     if fresh_main_grads:
         for ddp in wrapped:
             speed_patches.use_fresh_main_grads(ddp)

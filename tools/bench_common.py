@@ -207,14 +207,15 @@ def free_device_memory(device: torch.device) -> None:
 def training_step_fn(chunks: list, optimizer, vocab_size: int, seq: int, micro_batch: int,
                      after_step: Callable[[list], None] | None = None, profiler=None,
                      optimizer_timer: RegionTimer | None = None, nan_guard: bool = False,
-                     step_graph: bool = False) -> Callable[[], None]:
+                     graph_stream=None) -> Callable[[], None]:
     """One training step of built chunks on a fixed synthetic microbatch (this rank's own tokens: under EP
     every rank routes a different batch, as in training): zero the grads, forward + backward through
     Megatron's schedule, ``optimizer.step()`` (inside ``optimizer_timer`` when given), ``after_step(chunks)``,
     ``profiler.step()``. ``nan_guard``: the update goes through training's ``NonFiniteGuard`` (launch/train.py's
     default ``check_for_nan_in_loss_and_grad``: one host read of the loss and the grad norm before the update).
-    ``step_graph``: the forward and backward through training's ``StepGraph`` (``cuda_graph_step``: two eager steps,
-    then captured and replayed; the warm-up must cover three steps)."""
+    ``graph_stream``: the forward and backward through training's ``StepGraph`` on that stream, the one the chunks'
+    DDP was built on (``cuda_graph_step``: two eager steps, then captured and replayed; the warm-up must cover
+    three steps); None: eager."""
     from megatron.core import parallel_state as ps
 
     from megatron_ext.training.nonfinite_guard import NonFiniteGuard
@@ -225,7 +226,7 @@ def training_step_fn(chunks: list, optimizer, vocab_size: int, seq: int, micro_b
     batch = [synthetic_batch(vocab_size, seq, micro_batch, model_device, seed=dist.get_rank())]
     timed_update = optimizer_timer if optimizer_timer is not None else contextlib.nullcontext()
     guard = NonFiniteGuard(optimizer, loss_group=ps.get_pipeline_model_parallel_group()) if nan_guard else None
-    graphed = StepGraph(chunks, seq, micro_batch) if step_graph else None
+    graphed = StepGraph(chunks, seq, micro_batch, stream=graph_stream) if graph_stream is not None else None
 
     def step():
         for c in chunks:
@@ -307,11 +308,11 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 
 def build_training_state(build_chunks: Callable[[], list], config, fast_step: bool = True,
-                         main_grad_dtype: str = "fp32", micro_batches_per_step: int = 1):
+                         main_grad_dtype: str = "fp32", micro_batches_per_step: int = 1, stream=None):
     """Model chunks (``Float16Module`` under bf16) -> Megatron DDP -> Megatron AdamW (``fast_step``: see
     ``megatron_ext.parallel.build_optimizer`` and ``wrap_ddp(fresh_main_grads=...)``; ``False``: what
     Megatron-Core does without TE/Apex). ``main_grad_dtype``: ``wrap_ddp``'s (fp32 | bf16 | auto), with
-    ``micro_batches_per_step`` (the benchmarks run one)."""
+    ``micro_batches_per_step`` (the benchmarks run one); ``stream``: ``wrap_ddp``'s (a step graph's stream)."""
     from megatron.core.transformer.module import Float16Module
 
     from megatron_ext.parallel import build_optimizer, wrap_ddp
@@ -320,7 +321,7 @@ def build_training_state(build_chunks: Callable[[], list], config, fast_step: bo
     if config.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
     chunks = wrap_ddp(chunks, config, fresh_main_grads=fast_step, main_grad_dtype=main_grad_dtype,
-                      micro_batches_per_step=micro_batches_per_step)
+                      micro_batches_per_step=micro_batches_per_step, stream=stream)
     optimizer = build_optimizer(chunks, lr=1e-4, bf16=config.bf16, fast_step=fast_step)
     return chunks, optimizer
 
@@ -349,18 +350,20 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     warm-up steps (two eager, one capture), else the timed steps would include them.
     """
     from megatron_ext.training.manual_gc import manual_gc as manual_gc_scope
+    from megatron_ext.training.step_graph import capture_stream
 
     device = this_rank_device()
     free_device_memory(device)
+    graph_stream = capture_stream(step_graph)
     chunks, optimizer = build_training_state(build_chunks, config, fast_step, main_grad_dtype,
-                                             micro_batches_per_step=1)
+                                             micro_batches_per_step=1, stream=graph_stream)
     grad_dtype = next(p.main_grad.dtype for c in chunks for p in c.parameters() if hasattr(p, "main_grad"))
     model_device = next(chunks[0].parameters()).device
     optimizer_timer = RegionTimer(model_device.type == "cuda")
     if step_graph and warmup < 3:
         raise ValueError(f"step_graph needs at least 3 warm-up steps (two eager, one capture), got {warmup}")
     step = training_step_fn(chunks, optimizer, vocab_size, seq, micro_batch, after_step, profiler, optimizer_timer,
-                            nan_guard, step_graph)
+                            nan_guard, graph_stream)
 
     try:
         with manual_gc_scope(manual_gc, 0):

@@ -32,7 +32,7 @@ from megatron_ext.errors import ConfigError
 from megatron_ext.moe.balancers import CAPACITY_BALANCERS
 from megatron_ext.training.step import forward_backward
 
-__all__ = ["StepGraph", "CudaStepGraph", "check_step_graph"]
+__all__ = ["StepGraph", "CudaStepGraph", "capture_stream", "check_step_graph"]
 
 
 def check_step_graph(enabled: bool, model_cfg, world_size: int, cuda: bool) -> None:
@@ -48,6 +48,11 @@ def check_step_graph(enabled: bool, model_cfg, world_size: int, cuda: bool) -> N
             and getattr(model_cfg, "moe_balancer", "none") in CAPACITY_BALANCERS):
         raise ConfigError("cuda_graph_step: true needs moe_qb_host_reads: false or null (a host read inside the "
                           "step cannot be captured)")
+
+
+def capture_stream(enabled: bool):
+    """The side stream a ``cuda_graph_step`` run builds its DDP on and captures on (``None`` when not enabled)."""
+    return torch.cuda.Stream() if enabled else None
 
 
 class CudaStepGraph:
@@ -73,16 +78,21 @@ class CudaStepGraph:
 class StepGraph:
     """``step(microbatches) -> loss`` (a 0-d device tensor, as ``forward_backward(..., read_loss=False)``): the
     forward and backward of ``chunks`` over ``microbatches`` (dicts of ``[b, s]`` tensors), eager for ``warmup``
-    steps, then from one graph (``graph_type``: :class:`CudaStepGraph`; tests pass a stand-in)."""
+    steps, then from one graph (``graph_type``: :class:`CudaStepGraph`; tests pass a stand-in). ``stream``: where
+    warm-up and capture run; the stream the chunks' DDP was built on (``wrap_ddp(stream=...)``, see
+    :func:`capture_stream`), else the backward's gradient accumulation waits on the default stream and the
+    capture fails."""
 
     def __init__(self, chunks: list, seq_length: int, micro_batch_size: int, warmup: int = 2,
-                 graph_type=CudaStepGraph):
+                 graph_type=CudaStepGraph, stream=None):
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 (an eager step fills the caches capture needs), got {warmup}")
         self.chunks, self.seq_length, self.micro_batch_size = chunks, seq_length, micro_batch_size
         self.warmup, self.graph_type = warmup, graph_type
         self.device = next(chunks[0].parameters()).device
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if stream is None and self.device.type == "cuda":
+            stream = torch.cuda.Stream(self.device)
+        self.stream = stream
         self.static: list[dict] | None = None  # the inputs the graph reads
         self.graph = None
         self.loss: torch.Tensor | None = None  # the graph's output
