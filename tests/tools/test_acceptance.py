@@ -33,6 +33,19 @@ def test_a_resume_off_by_more_than_bf16_noise_fails():
     assert not acceptance.judge_losses(reference, shifted, post)["passed"]
 
 
+def test_only_the_first_updates_after_a_resume_are_judged():
+    """bf16 noise grows step by step on the GPU: past the first JUDGED_UPDATES updates it is recorded, not judged;
+    a lost optimizer state shows in the first updates and fails."""
+    reference, post = _losses(0.3), list(range(11, 17))
+    judged_end = post[acceptance.JUDGED_UPDATES]  # the last judged iteration
+    late = acceptance.judge_losses(reference, _scaled(reference, 1 + 2e-2, at=[i for i in post if i > judged_end]),
+                                   post, 1e-3)
+    assert late["passed"] and late["unjudged_max_rel_diff"] == pytest.approx(2e-2)
+    assert late["judged_iterations"] == post[:1 + acceptance.JUDGED_UPDATES]
+    early = acceptance.judge_losses(reference, _scaled(reference, 1 + 2e-2, at=[judged_end]), post, 1e-3)
+    assert not early["passed"] and early["later_max_rel_diff"] == pytest.approx(2e-2)
+
+
 def test_a_missing_iteration_fails():
     reference = _losses(0.3)
     resumed = {i: reference[i] for i in range(11, 16)}  # 16 missing
