@@ -33,13 +33,15 @@ nothing accumulates, i.e. on one GPU), their update goes through training's NaN 
 default in training: one host read of the loss and the grad norm per step, before the update). Stock rows call
 Megatron's ``optimizer.step()`` (its clipping reads the grad norm).
 
-A/B rows, not in the default list: ``NAME[+OPTION...]`` on an ours_full row, each option adding config keys:
+A/B rows, not in the default list: ``NAME[+OPTION...]``, each option adding config keys (``+step-graph`` on any
+ours row, the others on ours_full rows):
 
 * ``+host-reads``: the capacity routing eager, reading the host between rounds (``moe_qb_host_reads: true``,
   ``moe_qb_cuda_graph: false``: the default on EP groups and the CPU; the same routing as the default);
 * ``+torch-rounds``: one-rank routing rounds as PyTorch ops instead of the Triton kernels
   (``moe_qb_rounds_impl: torch``);
-* ``+no-attnres``: standard residuals instead of Block AttnRes (``attn_res: false``: the technique's overhead).
+* ``+no-attnres``: standard residuals instead of Block AttnRes (``attn_res: false``: the technique's overhead);
+* ``+step-graph``: the forward and backward replayed from one CUDA graph (``cuda_graph_step: true``; GPU only).
 
 They combine (``ours_full_16k+host-reads+no-attnres``). A name may repeat:
 ``--variants ours_full_16k,ours_full_16k+host-reads,ours_full_16k,ours_full_16k+host-reads`` is an ABAB comparison in
@@ -109,7 +111,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="comma-separated rows, NAME[+OPTION...]: NAME one of " + ", ".join(VARIANTS)
-                        + "; OPTION (ours_full rows only) one of " + ", ".join(ROW_OPTIONS)
+                        + "; OPTION (step-graph on ours rows, the rest on ours_full rows) one of " + ", ".join(ROW_OPTIONS)
                         + "; default: every NAME, no options")
     p.add_argument("--smoke", action="store_true", help="CPU, fp32, tiny sizes, gloo: checks the code path")
     p.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT}; none for --smoke)")

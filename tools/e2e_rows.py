@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 VARIANTS = ("stock", "stock_sdpa", "ours_base", "ours_full", "ours_base_16k", "ours_full_16k")
-# ``+OPTION`` of an ours_full row -> the config keys it sets on top of the row's (bench_e2e.py's docstring).
+# ``+OPTION`` of an ours row -> the config keys it sets on top of the row's (bench_e2e.py's docstring).
 OPTION_KEYS = {
     "host-reads": {"moe_qb_host_reads": True, "moe_qb_cuda_graph": False},
     "torch-rounds": {"moe_qb_rounds_impl": "torch"},
