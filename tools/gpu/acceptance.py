@@ -30,7 +30,8 @@ Steps (``--steps``, comma-separated; each has its own time limit and records ``n
 A checkpoint of this model with its optimizer state is ~46 GB (3.3B parameters: bf16 weights, fp32 main weights
 and two moments) and the H200 machine has 64 GB of disk, so the steps keep one checkpoint at a time, in a tmpfs
 (``/dev/shm``) when it has room: the steps check what a checkpoint holds and how a resume continues, not the disk.
-Each run records when its first and last iteration were logged (start-up and save/load times follow from them).
+Each run records when its first and last iteration were logged (start-up and save/load times follow from them);
+how a run is started, signalled and read back: ``tools/gpu/acceptance_runs.py``.
 
 ``--config`` and ``--extra`` exist for a dry run of the script itself on the CPU (e.g. ``--config configs/tiny.yaml
 --extra="--expert-model-parallel-size 1"``); the GPU run uses the defaults.
@@ -41,7 +42,6 @@ Each run records when its first and last iteration were logged (start-up and sav
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import json
@@ -49,7 +49,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,8 +56,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = ROOT / "configs" / "h200.yaml"
-TMPFS, TMPFS_MIN_FREE_GB = Path("/dev/shm"), 60
+sys.path.insert(0, str(ROOT))
+from tools.gpu.acceptance_runs import (  # noqa: E402
+    DEFAULT_CONFIG, Job, checkpoint_root, records, timing, train,
+)
+
 RESUME_ITERS, SAVE_INTERVAL, KILL_AFTER, SIGTERM_AFTER = 30, 10, 16, 11
 FIRST_TOLERANCE, TOLERANCE = 1e-3, 1e-2
 JUDGED_UPDATES = 2  # iterations after a resume's first that are judged; later ones carry the GPU's growing noise
@@ -67,115 +69,6 @@ BALANCER_ITERS, BALANCER_LOG_INTERVAL = 30, 5
 CAPACITY = ("--moe-expert-capacity-factor", "1.25")  # as issue 29 measured them
 BALANCER_FLAGS = {"aux_loss": ("--moe-aux-loss-coeff", "1e-2"), "qb_capacity": CAPACITY, "qb_both": CAPACITY}
 EP2_TOLERANCE = 2e-2  # relative: bf16 sums in another order over 10 steps
-# A 10-iteration warm-up spiked the loss (4.9 -> 8.0 at iteration 13 on the H200), where run-to-run noise grows by
-# orders of magnitude and no resume can be judged against it; the config's own 30 must stay below train_iters.
-COMMON = ["--eval-iters", "0", "--lr-warmup-iters", "20"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Job:
-    """Where the steps run and what they train: ``work`` holds the runs' logs, ``checkpoints`` their checkpoints."""
-    work: Path
-    checkpoints: Path
-    config: Path = DEFAULT_CONFIG
-    extra: tuple[str, ...] = ()
-
-
-def checkpoint_root(work: Path) -> Path:
-    """The tmpfs when it has room for a checkpoint of the H200 model, else beside the logs."""
-    if TMPFS.is_dir() and shutil.disk_usage(TMPFS).free / 1e9 >= TMPFS_MIN_FREE_GB:
-        return TMPFS / "acceptance-checkpoints"
-    return work / "checkpoints"
-
-
-def train(job: Job, name: str, *flags: str, nproc: int = 1, kill_after: int | None = None, sig=signal.SIGKILL,
-          timeout: float = 300, on_first_log=None) -> dict:
-    """launch/train.py, logging to ``job.work/name``. With ``kill_after``, ``sig`` goes to the job once
-    metrics.jsonl holds that iteration: SIGKILL to every process under plain torchrun, as a node failure would;
-    SIGTERM to ``launch/torchrun.sh`` alone, as SLURM's ``--signal`` reaches the batch script (torchrun.sh passes
-    it to the workers; torchrun signalled itself would exit 1 and give them only its 30 s shutdown timeout).
-    ``on_first_log()`` runs once the first iteration is logged. Returns the exit code, the wall time, the seconds at which the first and the last iteration were logged, the
-    log's tail and {iteration: record} of the train records."""
-    run_dir = job.work / name
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run of an earlier call on this machine
-    run_dir.mkdir(parents=True)
-    args = ["--config", str(job.config), *COMMON, *job.extra,
-            "--metrics-dir", str(run_dir), "--tensorboard-dir", str(run_dir / "tb"), *flags]
-    env = dict(os.environ)
-    if sig == signal.SIGTERM:
-        cmd = ["bash", str(ROOT / "launch" / "torchrun.sh"), *args]
-        env.update(PYTHON=sys.executable, GPUS_PER_NODE=str(nproc), MASTER_PORT=str(free_port()))
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(ROOT / "launch" / "train.py"), *args]
-    log = open(run_dir / "log.txt", "w")
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-    signalled, first_logged, last_logged, seen = None, None, None, 0
-    while proc.poll() is None:
-        if time.monotonic() - start > timeout:
-            kill_tree(proc.pid, signal.SIGKILL)
-            break
-        logged = records(run_dir)
-        if len(logged) > seen:
-            seen, last_logged = len(logged), round(time.monotonic() - start, 1)
-            if first_logged is None and on_first_log is not None:
-                on_first_log()
-            first_logged = first_logged or last_logged
-        if kill_after is not None and signalled is None and max(logged, default=0) >= kill_after:
-            kill_tree(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
-            signalled = time.monotonic()
-        time.sleep(0.2)
-    proc.wait()
-    log.close()
-    text = (run_dir / "log.txt").read_text()
-    return {"rc": proc.returncode, "seconds": round(time.monotonic() - start, 1), "first_logged_s": first_logged,
-            "signal_to_exit_s": round(time.monotonic() - signalled, 1) if signalled else None,
-            "last_logged_s": last_logged, "tail": text[-3000:], "records": records(run_dir)}
-
-
-def kill_tree(pid: int, sig) -> None:
-    """``sig`` to ``pid`` and every process below it. torchrun's workers do not stay in its process group: a
-    killpg left them training (and saving) beside the next run (seen on the H200 and the CPU). The caller reaps
-    ``pid`` itself (psutil's wait would take its exit status: the JSON's killed_rc read 0)."""
-    import psutil
-
-    try:
-        parent = psutil.Process(pid)
-        children = parent.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return
-    for p in (parent, *children):
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(children, timeout=30)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def timing(*runs: dict) -> list[dict]:
-    return [{k: run[k] for k in ("seconds", "first_logged_s", "last_logged_s")} for run in runs]
-
-
-def records(run_dir: Path) -> dict[int, dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return {}
-    out = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a line being written
-            continue
-        if "lm_loss" in record and record.get("split") != "valid":
-            out[record["iteration"]] = record
-    return out
 
 
 def max_rel_diff(a: dict[int, dict], b: dict[int, dict], iterations) -> float:
