@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+# ours (megatron_ext.moe.balancers) plus Megatron-Core's own quantile balancing, "megatron_qb"
 BALANCERS = ("none", "aux_loss", "sign_bias", "megatron_qb", "qb_bias", "qb_capacity", "qb_both")
-CAPACITY_BALANCERS = ("qb_capacity", "qb_both")
 
 
 @dataclass
@@ -59,6 +59,7 @@ class StudyConfig:
 
 def model_config(study: StudyConfig, balancer: str):
     from megatron_ext.config import HybridConfig
+    from megatron_ext.moe.balancers import CAPACITY_BALANCERS
 
     balancing = {}
     if balancer == "aux_loss":
