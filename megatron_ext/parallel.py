@@ -17,8 +17,6 @@ the data-parallel size is what the world leaves.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -197,7 +195,7 @@ def wrap_ddp(
         overlap_grad_reduce=overlap_grad_reduce,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with torch.cuda.stream(stream):  # None: no-op
         wrapped = [
             DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
             for i, chunk in enumerate(chunks)
