@@ -5,6 +5,7 @@ import torch
 from kimi_kernels.kda.chunk import ChunkKDAFunction
 from kimi_kernels.kda.gate import GATE_GIVEN, GATE_LOWER_BOUND, GATE_SOFTPLUS
 from kimi_kernels.kda.naive import kda_gate_lower_bound, kda_gate_softplus, naive_chunk_kda, naive_recurrent_kda
+from kimi_kernels.layout import tokens_lie_apart
 
 __all__ = ["chunk_kda", "dense_tiles_ok", "DENSE_TILE_MIN_BOUND", "naive_chunk_kda", "naive_recurrent_kda",
            "kda_gate_softplus", "kda_gate_lower_bound"]
@@ -87,8 +88,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                f"{tuple(initial_state.shape)}")
         initial_state = initial_state.float().contiguous()
     scale = K ** -0.5 if scale is None else float(scale)
-    packed = [x.reshape(B * T, H, -1).contiguous() for x in (q, k, v, g)]
-    o, ht = ChunkKDAFunction.apply(*packed, beta.reshape(B * T, H).contiguous(), A_log, dt_bias, scale,
+    packed = [x.reshape(B * T, H, -1).contiguous() for x in (q, k, v)]
+    # g is read where it lies when each token's H x K values are contiguous (e.g. a [T, B, H*K] projection
+    # seen as [B, T, H, K]); its gradient comes back in the same layout
+    g = g if tokens_lie_apart(g) else g.contiguous()
+    o, ht = ChunkKDAFunction.apply(*packed, g, beta.reshape(B * T, H).contiguous(), A_log, dt_bias, scale,
                                    initial_state, output_final_state, use_qk_l2norm_in_kernel, gate,
                                    lower_bound, safe, bounds)
     return o.view(B, T, H, V), ht

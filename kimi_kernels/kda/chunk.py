@@ -110,16 +110,23 @@ def _block_k(K):
     return max(32, triton.next_power_of_2(K))
 
 
+def gate_layout(f) -> tuple[int, int, int]:
+    """(sequence length, batch stride, time stride) through which the gate kernels address ``f [B, T, H, K]``
+    (a token's H x K values contiguous, see :func:`chunk_kda`)."""
+    return f.shape[1], f.stride(0), f.stride(1)
+
+
 def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm):
-    """Chunk-local cumsum of the (optionally activated) gate, fp32 [T, H, K], and q, k (L2-normalised when
-    l2norm: fused into the same kernel)."""
-    T, H, K = f.shape
+    """Chunk-local cumsum of the (optionally activated) gate ``f [B, T, H, K]``, fp32 packed [B T, H, K], and q,
+    k (packed; L2-normalised when l2norm: fused into the same kernel)."""
+    T, H, K = q.shape
     G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
     qn, kn = (torch.empty_like(q), torch.empty_like(k)) if l2norm else (q, k)
     gate_cumsum_kernel[(meta.num_chunks, H, 3 if l2norm else 1)](
         f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn,
-        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, H=H, K=K, BK=_block_k(K), GATE=gate,
-        HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm, **GATE_CONFIG)
+        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, *gate_layout(f), H=H, K=K,
+        BK=_block_k(K), GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm,
+        **GATE_CONFIG)
     return G, qn, kn
 
 
@@ -160,8 +167,8 @@ def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
 
 def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lower_bound, gate, safe_gate, meta,
             dqk_dtype):
-    """Gradients of kda_fwd; dg is w.r.t. the raw gate input when gate != GATE_GIVEN (in f's dtype, like dv in
-    v's). dq and dk come out in dqk_dtype (fp32 when an L2-norm backward follows)."""
+    """Gradients of kda_fwd; dg is w.r.t. the raw gate input when gate != GATE_GIVEN (in f's dtype and layout,
+    like dv in v's dtype). dq and dk come out in dqk_dtype (fp32 when an L2-norm backward follows)."""
     Mqk, Ainv, W, U, hbuf = saved
     T, H, K = q.shape
     V = v.shape[-1]
@@ -194,7 +201,7 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
         H=H, V=V, DOT_BF16=opts["DOT_BF16"], **DV_CONFIG)
     dq = torch.empty(T, H, K, dtype=dqk_dtype, device=dev)
     dk = torch.empty(T, H, K, dtype=dqk_dtype, device=dev)
-    dg = torch.empty(T, H, K, dtype=f.dtype, device=dev)
+    dg = torch.empty_strided(f.shape, f.stride(), dtype=f.dtype, device=dev)  # f's layout (gate_layout)
     has_a = gate != GATE_GIVEN and A_log is not None
     has_bias = gate != GATE_GIVEN and dt_bias is not None
     dA_parts = torch.empty(meta.num_chunks, H, num_kt, **f32) if has_a else dg
@@ -214,8 +221,8 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
         **DQK_CONFIG)
     gate_bwd_kernel[(num_kt, meta.num_chunks, H)](
         d_G, dlast, f, A_log if has_a else f, dt_bias if has_bias else f, dg, dA_parts, ddt_parts,
-        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), H, K=K, BKT=block_kt, GATE=gate, HAS_A=has_a,
-        HAS_BIAS=has_bias, **GATE_BWD_CONFIG)
+        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), *gate_layout(f), H, K=K, BKT=block_kt,
+        GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, **GATE_BWD_CONFIG)
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
     dA_log = dA_parts.sum((0, 2)) if has_a else None
     ddt_bias = ddt_parts.sum(0).reshape(H * K) if has_bias else None

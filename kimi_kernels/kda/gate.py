@@ -39,11 +39,28 @@ def gate_grads(f, a, bias, lower_bound, GATE: tl.constexpr):
 
 
 @triton.jit
+def gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride):
+    """Offset of packed token t0 in the raw gate f ``[B, T, H, K]``, whose batch and time dims may have any
+    strides (a sequence-first projection read batch-first: no copy), a token's H x K values contiguous."""
+    t0 = t0.to(tl.int64)
+    return (t0 // f_seq_len) * f_seq_stride + (t0 % f_seq_len) * f_tok_stride
+
+
+@triton.jit
+def gate_tile(f, t0, n, h, K: tl.constexpr, col0, BK: tl.constexpr, f_seq_len, f_seq_stride, f_tok_stride):
+    """Block pointer to the [64, BK] tile of f (or of its gradient, laid out like f) at packed tokens
+    t0..t0+n-1, head h, columns col0..col0+BK-1."""
+    base = gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + h * K
+    return tl.make_block_ptr(f + base, (n, K), (f_tok_stride, 1), (0, col0), (64, BK), (1, 0))
+
+
+@triton.jit
 def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, chunk_start, chunk_len, lower_bound, eps,
-                       H, K: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+                       f_seq_len, f_seq_stride, f_tok_stride, H, K: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
                        GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
-    """Grid (chunk, head, 1 + 2 * NORM). Part 0: G = cumsum over the chunk of gate(f), in fp32; with NORM,
-    parts 1 and 2 write the L2-normalised q and k (fp32 math, stored in their dtype).
+    """Grid (chunk, head, 1 + 2 * NORM). Part 0: G = cumsum over the chunk of gate(f), in fp32 (f addressed
+    through its strides, see gate_token_offset); with NORM, parts 1 and 2 write the L2-normalised q and k
+    (fp32 math, stored in their dtype).
     This kernel is bound by memory traffic, so it is shaped for many resident programs per SM: one tensor
     per program (not all three) and the chunk in blocks of RB rows (the cumsum carries the running sum of
     the rows before), which keeps the live tiles and their addresses small."""
@@ -58,10 +75,12 @@ def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, chunk_start, chunk_le
         if HAS_BIAS:
             bias = tl.load(dt_bias + h * K + d, mask=d < K, other=0.0).to(tl.float32)[None, :]
         carry = tl.zeros([BK], dtype=tl.float32)
+        f_base = gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + h * K
         for r0 in tl.static_range(0, 64, RB):
             mask = (r0 + r < n)[:, None] & (d < K)[None, :]
             offs = (t0 + r0 + r)[:, None] * (H * K) + h * K + d[None, :]
-            x = tl.load(f + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(f + f_base + (r0 + r)[:, None] * f_tok_stride + d[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
             g = tl.where(mask, gate_value(x, a, bias, lower_bound, GATE), 0.0)
             tl.store(G + offs, carry[None, :] + tl.cumsum(g, 0), mask=mask)
             carry += tl.sum(g, 0)

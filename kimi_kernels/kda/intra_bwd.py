@@ -26,7 +26,7 @@ dMqk / dL are rounded once (bf16 scratch) so both sides of a pair see the same v
 import triton
 import triton.language as tl
 
-from kimi_kernels.kda.gate import gate_grads
+from kimi_kernels.kda.gate import gate_grads, gate_tile
 from kimi_kernels.kda.intra import dot_split, load_tile, row_block, store_tile, to_dot
 
 
@@ -164,10 +164,11 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
 
 @triton.jit
 def gate_bwd_kernel(dG_buf, dlast, f, A_log, dt_bias, dg, dA_parts, ddt_parts, chunk_start, chunk_len,
-                    lower_bound, H, K: tl.constexpr, BKT: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
-                    HAS_BIAS: tl.constexpr):
+                    lower_bound, f_seq_len, f_seq_stride, f_tok_stride, H, K: tl.constexpr, BKT: tl.constexpr,
+                    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
     """dg = reverse cumsum over the chunk of dG (plus the last row's share from inter_bwd_kernel), then through
-    the gate activation, with per-program partial sums of the dA_log / ddt_bias terms."""
+    the gate activation, with per-program partial sums of the dA_log / ddt_bias terms. f and dg share one layout
+    (strided batch and time dims: gate_token_offset)."""
     kt, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     kc = kt * BKT
@@ -179,7 +180,8 @@ def gate_bwd_kernel(dG_buf, dlast, f, A_log, dt_bias, dg, dA_parts, ddt_parts, c
     d_g += tl.where(t[:, None] == n - 1, last[None, :], 0.0)
     d_gate = tl.where(m2, tl.sum(d_g, 0)[None, :] - tl.cumsum(d_g, 0) + d_g, 0.0)
     if GATE != 0:
-        x = load_tile(f, t0, n, h, H, K, kc, BKT)
+        x = tl.load(gate_tile(f, t0, n, h, K, kc, BKT, f_seq_len, f_seq_stride, f_tok_stride), boundary_check=(0, 1),
+                    padding_option="zero").to(tl.float32)
         a = 1.0
         if HAS_A:
             a = tl.exp(tl.load(A_log + h).to(tl.float32))
@@ -192,4 +194,5 @@ def gate_bwd_kernel(dG_buf, dlast, f, A_log, dt_bias, dg, dA_parts, ddt_parts, c
         d_gate = tl.where(m2, d_gate * dg_dx, 0.0)
         if HAS_BIAS:
             tl.store(ddt_parts + (c * H + h) * K + d, tl.sum(d_gate, 0), mask=kmask)
-    store_tile(dg, d_gate, t0, n, h, H, K, kc, BKT)
+    tl.store(gate_tile(dg, t0, n, h, K, kc, BKT, f_seq_len, f_seq_stride, f_tok_stride),
+             d_gate.to(dg.dtype.element_ty), boundary_check=(0, 1))

@@ -22,22 +22,19 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, gate, eps):
         from kimi_kernels.rms_norm.fused import rms_norm_fwd
 
-        shape, hidden = x.shape, x.shape[-1]
-        x2 = x.contiguous().view(-1, hidden)
-        g2 = gate.contiguous().view(-1, hidden) if gate is not None else None
+        gate = gate.contiguous() if gate is not None else None
         weight = weight.contiguous()
-        y, rstd = rms_norm_fwd(x2, weight, g2, eps)
-        ctx.save_for_backward(x2, weight, g2, rstd)  # not y: backward recomputes x * rstd
-        ctx.shape = shape
-        return y.view(shape)
+        y, rstd, x = rms_norm_fwd(x, weight, gate, eps)  # x as it is when its tokens lie apart: no copy
+        ctx.save_for_backward(x, weight, gate, rstd)  # not y: backward recomputes x * rstd
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         from kimi_kernels.rms_norm.fused import rms_norm_bwd
 
-        x2, weight, g2, rstd = ctx.saved_tensors
-        dx, dweight, dgate = rms_norm_bwd(dy.contiguous().view(x2.shape), x2, weight, g2, rstd)
-        return dx.view(ctx.shape), dweight, dgate.view(ctx.shape) if dgate is not None else None, None
+        x, weight, gate, rstd = ctx.saved_tensors
+        dx, dweight, dgate = rms_norm_bwd(dy.contiguous(), x, weight, gate, rstd)
+        return dx, dweight, dgate, None
 
 
 def _check(x, weight, gate, use_kernel):
@@ -66,7 +63,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tens
     """``x [..., h]``, ``weight [h]`` (fp32 or x's dtype) -> ``x * rsqrt(mean(x^2) + eps) * weight`` in x's
     dtype, computed in fp32; times ``sigmoid(gate)`` (``gate``: x's shape, fp32 or x's dtype) when given.
 
-    ``use_kernel`` defaults to ``x.is_cuda and h <= MAX_HIDDEN`` (wider rows take the reference). Grads:
+    ``use_kernel`` defaults to ``x.is_cuda and h <= MAX_HIDDEN`` (wider rows take the reference). The kernels
+    read an ``x`` whose two leading dims are strided (e.g. ``[b, s, ...]`` read as ``[s, b, ...]``) in place and
+    return y contiguous in x's shape, dx in x's layout. Grads:
     dx in x's dtype, dweight in weight's dtype (fp32 sums), dgate in gate's dtype. The kernel gates the
     fp32 norm and rounds once; the gated reference rounds the norm to x's dtype first, as the KDA layer
     did (identical in fp32, within one rounding of x's dtype otherwise)."""

@@ -9,6 +9,10 @@ one in-register reduction). Forward reads x (and the gate), writes y in x's dtyp
     dgate = dy * n * s * (1 - s)
     dn = dy * s;  dw = sum_rows dn * xhat;  dx = rstd * (dn * w - xhat * mean(dn * w * xhat))
 
+x may be a view whose two leading (token) dims have any strides while the rows of one token lie together (the
+KDA layer's batch-first output read sequence-first): the kernels address its rows through those strides
+(X_STRIDED) and write dx in x's layout; y, the gate, dy and dgate are contiguous.
+
 Backward recomputes xhat from x and rstd (y is not saved). Its grid is a fixed number of programs that
 stride over the row blocks, each summing its share of dw in an fp32 [BLOCK_ROWS, BLOCK_N] accumulator and
 writing one fp32 row of a [programs, h] buffer that the caller sums: deterministic, no atomics.
@@ -17,6 +21,8 @@ writing one fp32 row of a [programs, h] buffer that the caller sums: determinist
 import torch
 import triton
 import triton.language as tl
+
+from kimi_kernels.layout import tokens_lie_apart
 
 # Elements per program (BLOCK_ROWS x BLOCK_N: narrow rows are stacked, h = 128 -> 32 rows forward) and per
 # thread (8: one 16-byte access per bf16 tensor). Backward keeps about 8 fp32 registers per element (x, dy,
@@ -31,23 +37,40 @@ PROGRAMS_PER_SM = 4
 CPU_PROGRAMS = 3  # backward programs off CUDA (the interpreter): several, each striding over row blocks
 
 
-def launch_config(hidden: int, backward: bool = False) -> dict:
-    """BLOCK_N (hidden padded to a power of two), BLOCK_ROWS and num_warps for rows of ``hidden``."""
+def launch_config(hidden: int, backward: bool = False, x_strided: bool = False) -> dict:
+    """BLOCK_N (hidden padded to a power of two), BLOCK_ROWS and num_warps for rows of ``hidden``. The backward
+    of a token-strided x holds x's own addresses besides dy's: half the elements per thread (at h = 128, gated:
+    64 registers and no spills where 8 elements per thread take 128 and spill)."""
     block_n = triton.next_power_of_2(hidden)
     block_rows = max(1, (BWD_TILE if backward else FWD_TILE) // block_n)
-    num_warps = min(MAX_WARPS, max(1, block_rows * block_n // (32 * ELEMS_PER_THREAD)))
+    per_thread = ELEMS_PER_THREAD // 2 if backward and x_strided else ELEMS_PER_THREAD
+    num_warps = min(MAX_WARPS, max(1, block_rows * block_n // (32 * per_thread)))
     return dict(BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=num_warps)
 
 
 @triton.jit
-def rms_norm_fwd_kernel(x, weight, gate, y, rstd, M, N, eps, HAS_GATE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+def x_row_offsets(rows, N, d1, rows_per_token, s0, s1, X_STRIDED: tl.constexpr):
+    """Element offset of each row of x: rows * N when x is contiguous, else through the strides s0, s1 of its
+    two leading dims (d1 = the second one's size), the rows_per_token rows of a token lying together."""
+    rows = rows.to(tl.int64)
+    if X_STRIDED:
+        token = rows // rows_per_token
+        return (token // d1) * s0 + (token % d1) * s1 + (rows % rows_per_token) * N
+    else:
+        return rows * N
+
+
+@triton.jit
+def rms_norm_fwd_kernel(x, weight, gate, y, rstd, M, N, eps, x_d1, x_rows_per_token, x_s0, x_s1,
+                        HAS_GATE: tl.constexpr, X_STRIDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                         BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
     mask = row_ok[:, None] & col_ok[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+    x_offs = x_row_offsets(rows, N, x_d1, x_rows_per_token, x_s0, x_s1, X_STRIDED)[:, None] + cols[None, :]
+    xv = tl.load(x + x_offs, mask=mask, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(xv * xv, 1) / N + eps)
     w = tl.load(weight + cols, mask=col_ok, other=0.0).to(tl.float32)
     out = xv * r[:, None] * w[None, :]
@@ -59,8 +82,9 @@ def rms_norm_fwd_kernel(x, weight, gate, y, rstd, M, N, eps, HAS_GATE: tl.conste
 
 
 @triton.jit
-def rms_norm_bwd_kernel(x, weight, gate, dy, rstd, dx, dgate, dw_part, M, N, HAS_GATE: tl.constexpr,
-                        BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+def rms_norm_bwd_kernel(x, weight, gate, dy, rstd, dx, dgate, dw_part, M, N, x_d1, x_rows_per_token, x_s0, x_s1,
+                        HAS_GATE: tl.constexpr, X_STRIDED: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -71,8 +95,9 @@ def rms_norm_bwd_kernel(x, weight, gate, dy, rstd, dx, dgate, dw_part, M, N, HAS
         row_ok = rows < M
         mask = row_ok[:, None] & col_ok[None, :]
         offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x_offs = x_row_offsets(rows, N, x_d1, x_rows_per_token, x_s0, x_s1, X_STRIDED)[:, None] + cols[None, :]
         r = tl.load(rstd + rows, mask=row_ok, other=0.0)  # masked rows: xhat = 0, no contribution
-        xhat = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32) * r[:, None]
+        xhat = tl.load(x + x_offs, mask=mask, other=0.0).to(tl.float32) * r[:, None]
         dn = tl.load(dy + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE:
             s = tl.sigmoid(tl.load(gate + offs, mask=mask, other=0.0).to(tl.float32))
@@ -83,7 +108,7 @@ def rms_norm_bwd_kernel(x, weight, gate, dy, rstd, dx, dgate, dw_part, M, N, HAS
         dxhat = dn * w[None, :]
         c = tl.sum(dxhat * xhat, 1) / N
         dxv = (dxhat - xhat * c[:, None]) * r[:, None]
-        tl.store(dx + offs, dxv.to(dx.dtype.element_ty), mask=mask)
+        tl.store(dx + x_offs, dxv.to(dx.dtype.element_ty), mask=mask)
     tl.store(dw_part + pid.to(tl.int64) * N + cols, tl.sum(dw_acc, 0), mask=col_ok)
 
 
@@ -98,33 +123,52 @@ def backward_programs(num_blocks: int, num_warps: int, device: torch.device) -> 
     return max(1, min(num_blocks, CPU_PROGRAMS))
 
 
+def token_layout(x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """``x [..., h]`` as the kernels read it and their X_* arguments: contiguous as it is; a view whose two
+    leading dims have any strides but whose dims from the third on are contiguous (the rows of one token lie
+    together) through those strides, without a copy; anything else copied to contiguous."""
+    if x.is_contiguous() or not tokens_lie_apart(x):
+        return x.contiguous(), dict(x_d1=1, x_rows_per_token=1, x_s0=0, x_s1=0, X_STRIDED=False)
+    rows_per_token = 1
+    for size in x.shape[2:-1]:
+        rows_per_token *= size
+    return x, dict(x_d1=x.shape[1], x_rows_per_token=rows_per_token, x_s0=x.stride(0), x_s1=x.stride(1),
+                   X_STRIDED=True)
+
+
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None, eps: float):
-    """``x [M, h]``, ``gate [M, h]`` or None (contiguous), ``weight [h]`` -> ``y [M, h]`` (x's dtype),
-    ``rstd [M]`` fp32."""
-    rows, hidden = x.shape
-    y = torch.empty_like(x)
+    """``x [..., h]`` (addressed as :func:`token_layout` returns it), ``gate`` x's shape, contiguous, or None,
+    ``weight [h]`` -> ``y`` (x's shape, contiguous, x's dtype), ``rstd [M]`` fp32 (M = rows) and x as the kernel
+    read it (what the backward takes)."""
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden if hidden else 0
+    x, layout = token_layout(x)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
     if rows:
         cfg = launch_config(hidden)
         rms_norm_fwd_kernel[(triton.cdiv(rows, cfg["BLOCK_ROWS"]),)](
-            x, weight, gate if gate is not None else x, y, rstd, rows, hidden, float(eps),
+            x, weight, gate if gate is not None else y, y, rstd, rows, hidden, float(eps), **layout,
             HAS_GATE=gate is not None, **cfg)
-    return y, rstd
+    return y, rstd, x
 
 
 def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None,
                  rstd: torch.Tensor):
-    """``dy [M, h]`` contiguous -> ``dx`` (x's dtype), ``dweight`` (weight's dtype, fp32 sums), ``dgate``
-    (gate's dtype, or None)."""
-    rows, hidden = x.shape
-    dx = torch.empty_like(x)
+    """``dy`` (x's shape) contiguous, ``x`` as the forward read it -> ``dx`` (x's dtype, in x's layout when the
+    kernels read x through its strides), ``dweight`` (weight's dtype, fp32 sums), ``dgate`` (gate's dtype, or
+    None)."""
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden if hidden else 0
+    x, layout = token_layout(x)
+    dx = torch.empty_strided(x.shape, x.stride(), device=x.device, dtype=x.dtype)
     dgate = torch.empty_like(gate) if gate is not None else None
     if not rows:
         return dx, torch.zeros_like(weight), dgate
-    cfg = launch_config(hidden, backward=True)
+    cfg = launch_config(hidden, backward=True, x_strided=layout["X_STRIDED"])
     programs = backward_programs(triton.cdiv(rows, cfg["BLOCK_ROWS"]), cfg["num_warps"], x.device)
     dw_part = torch.empty(programs, hidden, device=x.device, dtype=torch.float32)  # every row written
     rms_norm_bwd_kernel[(programs,)](
-        x, weight, gate if gate is not None else x, dy, rstd, dx, dgate if dgate is not None else dx, dw_part,
-        rows, hidden, HAS_GATE=gate is not None, **cfg)
+        x, weight, gate if gate is not None else dy, dy, rstd, dx, dgate if dgate is not None else dx, dw_part,
+        rows, hidden, **layout, HAS_GATE=gate is not None, **cfg)
     return dx, dw_part.sum(0).to(weight.dtype), dgate

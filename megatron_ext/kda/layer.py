@@ -5,11 +5,15 @@ Data flow for one layer (``H_l`` = KDA heads on this TP rank, ``K`` = ``V`` = he
 
     x [s_l, b, h]
       q/k/v = ColumnParallel(x) [s, b, H_l*K]  -> causal depthwise conv + SiLU -> [b, s, H_l, K]
-      f     = up(down(x))       [s, b, H_l*K]  (low-rank, raw gate input)     -> [b, s, H_l, K]
+      f     = up(down(x))       [s, b, H_l*K]  (low-rank, raw gate input)     -> [b, s, H_l, K] view
       beta  = sigmoid(ColumnParallel(x))       [s, b, H_l]                     -> [b, s, H_l]
-      o     = KDA(q, k, v, f, beta; A_log, dt_bias)   gate + q/k L2 norm in the kernel
-      o     = RMSNorm_V(o) * sigmoid(up(down(x)))     per head, weight [V] shared by heads
+      o     = KDA(q, k, v, f, beta; A_log, dt_bias)   gate + q/k L2 norm in the kernel  [b, s, H_l, V]
+      o     = RMSNorm_V(o) * sigmoid(up(down(x)))     per head, weight [V] shared by heads  -> [s, b, H_l, V]
       out   = RowParallel(o [s, b, H_l*V])  -> [s_l, b, h]  (reduce-scatter under SP)
+
+The kernels work batch-first, Megatron sequence-first: the layout changes ride on kernels that read through
+strides (the conv's store, the gate kernels' reads of f and writes of df, the norm's reads of o and writes of do),
+so no activation or gradient of this layer is copied only to change its layout.
 """
 
 from __future__ import annotations
@@ -146,9 +150,9 @@ class KDAAttention(TPShardedModule):
 
         return super()._apply(cast_except_fp32, recurse)
 
-    def _heads(self, x_bsc: torch.Tensor) -> torch.Tensor:
-        """``[b, s, H_l*D] -> [b, s, H_l, D]``."""
-        return x_bsc.unflatten(-1, (self.dims.local_heads, self.dims.head_dim))
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[.., .., H_l*D] -> [.., .., H_l, D]`` (a view)."""
+        return x.unflatten(-1, (self.dims.local_heads, self.dims.head_dim))
 
     def forward(
         self,
@@ -171,11 +175,10 @@ class KDAAttention(TPShardedModule):
         # its input when the dtype already matches: .contiguous() then makes the copy).
         beta = torch.sigmoid(self.b_proj(hidden_states)[0].float()).transpose(0, 1).to(
             q.dtype, memory_format=torch.contiguous_format).contiguous()
-        o = kda_core(q, k, v, f, beta, self.A_log, self.dt_bias, self.lower_bound)
-        gate = self._heads(self.g_proj(hidden_states).transpose(0, 1))
-        o = self._gated_norm(o, gate)  # [b, s, H_l, V]
-        o = o.flatten(2).transpose(0, 1)  # [s, b, H_l*V]
-        return self.o_proj(o)
+        o = kda_core(q, k, v, f, beta, self.A_log, self.dt_bias, self.lower_bound)  # [b, s, H_l, V]
+        gate = self._heads(self.g_proj(hidden_states))  # [s, b, H_l, V]
+        o = self._gated_norm(o.transpose(0, 1), gate)  # [s, b, H_l, V]: the norm reads o through its strides
+        return self.o_proj(o.flatten(2))
 
     def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         weight = self.o_norm_weight

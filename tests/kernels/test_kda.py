@@ -90,6 +90,43 @@ def test_lower_bound_gate_in_kernel_batched():
     assert_match(results, 1e-4, NAMES)
 
 
+def run_with_gate_layout(x, gate, sequence_first, dtype=torch.float32):
+    """chunk_kda with g contiguous [B, T, H, K] or as a sequence-first [T, B, H*K] tensor seen batch-first (the
+    KDA layer's projection, read in place): output, final state, gradients and the layout of g's gradient."""
+    t = {n: v.to(dtype).clone().requires_grad_() for n, v in x.items() if n not in ("A_log", "dt_bias")}
+    B, T, H, K = t["g"].shape
+    g = t["g"]
+    if sequence_first:
+        g = g.detach().transpose(0, 1).flatten(2).contiguous().requires_grad_()  # [T, B, H*K], the same values
+        t["g_leaf"] = g
+        g = g.transpose(0, 1).unflatten(-1, (H, K))
+    seen = []
+    g.register_hook(lambda grad: seen.append(grad.stride()))
+    o, s = chunk_kda(t["q"], t["k"], t["v"], g, t["beta"], initial_state=t["h0"].float(), output_final_state=True,
+                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate != "given", A_log=x["A_log"],
+                     dt_bias=x["dt_bias"], lower_bound=-5.0, safe_gate=True if gate == "given" else None)
+    gen = torch.Generator().manual_seed(2)
+    do, ds = torch.randn(o.shape, generator=gen).to(o.device), torch.randn(s.shape, generator=gen).to(o.device)
+    ((o.float() * do).sum() + (s * ds).sum()).backward()
+    dg = t["g_leaf"].grad.transpose(0, 1).unflatten(-1, (H, K)) if sequence_first else t["g"].grad
+    return (o, s, dg, t["q"].grad, t["k"].grad, t["v"].grad, t["beta"].grad), (seen[0], g.stride())
+
+
+@interpreter_case
+@pytest.mark.parametrize("gate", ["lower_bound", "given"])
+def test_sequence_first_gate_is_read_in_place(gate):
+    """B=2 over a chunk boundary: the kernels read g through its batch and time strides and write dg in g's
+    layout, with results identical to a contiguous g."""
+    x = make_inputs(2, 100, 2, 16, 32, seed=9)
+    if gate == "given":
+        x["g"] = kda_gate_lower_bound(x["g"], None, None, -5.0)
+    contiguous, _ = run_with_gate_layout(x, gate, sequence_first=False)
+    strided, (grad_stride, view_stride) = run_with_gate_layout(x, gate, sequence_first=True)
+    assert grad_stride == view_stride  # dg came back in g's layout: no copy on the way
+    for a, b in zip(strided, contiguous):
+        assert torch.equal(a, b)
+
+
 @interpreter_case
 def test_softplus_gate_in_kernel():
     """Unbounded gate: the diagonal tiles take the per-position path; A_log large to make decays strong."""
@@ -260,6 +297,17 @@ def test_bf16_on_gpu_matches_fp32_reference(gate, head_dim):
     assert rel_err(grads["g"], grads_ref["g"]) < 3e-2
     for n in ("A_log", "dt_bias"):
         assert rel_err(grads[n], grads_ref[n]) < 5e-2, n
+
+
+@pytest.mark.gpu
+def test_bf16_sequence_first_gate_on_gpu_is_read_in_place():
+    x = make_inputs(2, 300, 4, 128, 128, device="cuda")
+    contiguous, _ = run_with_gate_layout(x, "lower_bound", sequence_first=False, dtype=torch.bfloat16)
+    strided, (grad_stride, view_stride) = run_with_gate_layout(x, "lower_bound", sequence_first=True,
+                                                                dtype=torch.bfloat16)
+    assert grad_stride == view_stride
+    for a, b in zip(strided, contiguous):
+        assert torch.equal(a, b)  # the same kernels on the same values, only the gate's addresses differ
 
 
 @pytest.mark.gpu

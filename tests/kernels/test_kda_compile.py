@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
 D = 128
 POINTER_FP32 = {"G", "Ainv", "A_log", "dt_bias", "h0", "ht", "dht", "dh0", "dq", "dk", "dxn", "dbeta_parts",
                 "dA_parts", "ddt_parts", "pq", "pk", "pG", "dlast", "starts"}
-INTS = {"H", "part_stride", "part_offset", "rows"}
+INTS = {"H", "part_stride", "part_offset", "rows", "f_seq_len", "f_seq_stride", "f_tok_stride"}
 FLOATS = {"scale", "lower_bound", "eps"}
 INDEX = {"chunk_start", "chunk_len", "seq_chunks", "chunk_segment"}
 

@@ -102,6 +102,35 @@ def test_non_contiguous_inputs_and_no_rows():
 
 
 @interpreter_case
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_token_strided_x_is_read_in_place(gated):
+    """The KDA layer's case: o [b, s, H, V] normalised as [s, b, H, V] against a contiguous gate: y comes out
+    contiguous, dx in x's own layout (a transposed view back in [b, s] is contiguous), values as the reference."""
+    x_bs, weight, gate, cotangent = make_case((3, 37, 4, 48), torch.float32, gated=gated, seed=7)
+    x = x_bs.transpose(0, 1)
+    gate = gate.transpose(0, 1).contiguous() if gated else None
+    cotangent = cotangent.transpose(0, 1).contiguous()
+    ours, ref = run(x, weight, gate, cotangent, use_kernel=True), run(x, weight, gate, cotangent, use_kernel=False)
+    for a, b, name in zip(ours, ref, NAMES):
+        assert a.shape == b.shape and rel_err(a, b) < 1e-5, name
+    y, dx = ours[0], ours[1]
+    assert y.is_contiguous() and dx.stride() == x.stride() and dx.transpose(0, 1).is_contiguous()
+
+
+@interpreter_case
+def test_overlapping_or_inner_strided_x_is_copied_first():
+    base, weight, _, cotangent = make_case((6, 5, 2, 32), torch.float32, seed=8)
+    sliced = base[:, :, :, ::2]  # inner dim strided: copied, then as any contiguous x
+    ours = run(sliced, weight[:16], None, cotangent[..., :16], use_kernel=True)
+    ref = run(sliced, weight[:16], None, cotangent[..., :16], use_kernel=False)
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(ours, ref))
+    expanded = base[:1].expand(4, 5, 2, 32)  # tokens overlap (stride 0): must not be written through in place
+    ours = run(expanded, weight, None, cotangent[:4], use_kernel=True)
+    ref = run(expanded, weight, None, cotangent[:4], use_kernel=False)
+    assert all(rel_err(a, b) < 1e-5 for a, b in zip(ours, ref))
+
+
+@interpreter_case
 def test_backward_is_deterministic():
     case = make_case((200, 128), torch.float32, gated=True, seed=6)
     first, second = run(*case, use_kernel=True), run(*case, use_kernel=True)
