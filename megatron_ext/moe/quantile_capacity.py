@@ -28,8 +28,8 @@ which says whether a token could still move; only then does each further round r
 ``host_reads=False`` reads nothing: round 1's admission and ``device_rounds`` overflow rounds always run
 and the kept-pair count stays on the device (a one-rank dispatcher then keeps static ``[N k]`` buffers):
 the layer has no host sync, as CUDA-graph capture needs. ``device_rounds=None`` then means every round
-that can matter, ``E`` overflow rounds (each round that refuses fills an expert, so after ``E`` of them
-nobody can move): the same routing as with host reads, nothing dropped that they would place. The Triton
+that can matter (:func:`rounds_that_can_matter`: on one rank ``min(E, N k // C)`` overflow rounds, 51 of 64
+experts at capacity factor 1.25): the same routing as with host reads, nothing dropped that they would place. The Triton
 rounds return at once after the last useful one, so on one CUDA rank, replayed from a CUDA graph, this is
 one graph launch per call for the whole lossless routing; the PyTorch rounds run each no-op round in full.
 A smaller ``device_rounds`` stops early and drops a token that could still move (the result of
@@ -62,7 +62,8 @@ import torch.distributed as dist
 from megatron_ext.moe.quantile_rounds import KernelRounds, TorchRounds, expert_capacity
 from megatron_ext.moe.quantile_routing import Routing, check_scores, gates_from_scores
 
-__all__ = ["expert_capacity", "capacity_routing", "CapacityRouting", "DEVICE_ROUNDS", "ROUNDS_IMPLS"]
+__all__ = ["expert_capacity", "capacity_routing", "CapacityRouting", "DEVICE_ROUNDS", "ROUNDS_IMPLS",
+           "rounds_that_can_matter"]
 
 
 # Overflow rounds run between an over-subscribed call's two host reads (device_rounds's default with host
@@ -160,7 +161,8 @@ class CapacityRouting:
         num_experts = scores.shape[1]
         device_rounds = self.device_rounds
         if device_rounds is None:  # with reads: the default before the second; without: all that can matter
-            device_rounds = DEVICE_ROUNDS if host_reads else num_experts
+            device_rounds = DEVICE_ROUNDS if host_reads else rounds_that_can_matter(
+                scores.shape[0], k, num_experts, self.capacity_factor, self.group)
         overflow_rounds = device_rounds if max_rounds is None else min(device_rounds, max_rounds - 1)
         kind = self.rounds_kind if scores.shape[0] > 0 else TorchRounds  # the kernels need a token
         # round 1, the device rounds and, with reads, at most one round per expert after them (each fills one)
@@ -187,6 +189,17 @@ class CapacityRouting:
                 break
             count += 1
         return rounds.result(count, kept)
+
+
+def rounds_that_can_matter(num_tokens: int, k: int, num_experts: int, capacity_factor: float, group=None) -> int:
+    """Overflow rounds after round 1 that can still move a token. A round that refuses fills an expert (one with
+    room, else nobody would have proposed to it); a full expert holds ``C`` pairs of at most ``N k``, so at most
+    ``F = min(E, N k // C)`` rounds refuse. The round after the last of them refuses nothing and places all it
+    proposes; after it nothing moves: round 1 and F overflow rounds. A group's N is its total, which only an
+    all-reduce would tell: ``E`` there."""
+    if group is not None or num_tokens == 0:
+        return num_experts
+    return min(num_experts, num_tokens * k // expert_capacity(num_tokens, k, num_experts, capacity_factor))
 
 
 def capacity_routing(scores: torch.Tensor, k: int, capacity_factor: float, *, bias: torch.Tensor | None = None,

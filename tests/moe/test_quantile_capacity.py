@@ -215,9 +215,9 @@ def test_without_host_reads_equals_host_reads_stopped_after_the_same_rounds(monk
 
 
 def test_without_host_reads_the_default_rounds_give_the_reading_result(monkeypatch):
-    """``host_reads=False`` with ``device_rounds`` left at None runs every round that can matter (``E`` overflow
-    rounds): no read, and bit for bit the routing with reads however many rounds that needed, so nothing is
-    dropped that the reads would place; stopping earlier drops what could have moved."""
+    """``host_reads=False`` with ``device_rounds`` left at None runs every round that can matter
+    (``min(E, N k // C)`` overflow rounds): no read, and bit for bit the routing with reads however many rounds
+    that needed, so nothing is dropped that the reads would place; stopping earlier drops what could have moved."""
     n, e, k = 300, 16, 4
     bias = torch.randn(e, generator=torch.Generator().manual_seed(41)) * 0.1
     needed = []
@@ -225,8 +225,10 @@ def test_without_host_reads_the_default_rounds_give_the_reading_result(monkeypat
         scores = skewed_scores(n, e, seed=seed, skew=skew)
         with _HostReads(monkeypatch) as host:
             got = capacity_routing(scores, k, cf, bias=bias, num_bins=32, host_reads=False)
-        assert host.reads == [] and (got.rounds, got.num_kept) == (1 + e, None)
+        bound = min(e, n * k // expert_capacity(n, k, e, cf))
+        assert host.reads == [] and (got.rounds, got.num_kept) == (1 + bound, None)
         expected = capacity_routing(scores, k, cf, bias=bias, num_bins=32, host_reads=True)
+        assert expected.rounds <= 1 + bound
         for name in ("experts", "gates", "global_load", "dropped", "rerouted"):
             assert torch.equal(getattr(got, name), getattr(expected, name)), (seed, name)
         needed.append(expected.rounds)
@@ -234,6 +236,27 @@ def test_without_host_reads_the_default_rounds_give_the_reading_result(monkeypat
             short = capacity_routing(scores, k, cf, bias=bias, num_bins=32, device_rounds=1, host_reads=False)
             assert short.dropped.item() > expected.dropped.item()  # stopping early drops what could have moved
     assert max(needed) > 1 + quantile_capacity.DEVICE_ROUNDS and min(needed) == 1, needed
+
+
+def test_the_round_bound_is_reached_when_every_round_fills_one_expert(monkeypatch):
+    """All tokens rank the experts alike (k = 1): round r fills expert r, so N = 100 tokens at C = 8 need
+    ceil(100 / 8) = 13 rounds, exactly round 1 and the bound's 100 // 8 = 12 overflow rounds; one round fewer
+    drops the last expert's tokens."""
+    n, e, k, cf = 100, 16, 1, 1.25
+    order = torch.linspace(1.0, 0.1, e)  # the same expert ranking for every token, distinct scores per token
+    scores = order + torch.rand(n, 1, generator=torch.Generator().manual_seed(3)) * 1e-3
+    capacity = expert_capacity(n, k, e, cf)
+    bound = quantile_capacity.rounds_that_can_matter(n, k, e, cf)
+    assert (capacity, bound) == (8, 12)
+    with _HostReads(monkeypatch) as host:
+        got = capacity_routing(scores, k, cf, num_bins=32, host_reads=False)
+    assert host.reads == []
+    expected = capacity_routing(scores, k, cf, num_bins=32, host_reads=True)
+    assert expected.rounds == 1 + bound == got.rounds
+    assert torch.equal(got.experts, expected.experts) and got.dropped.item() == expected.dropped.item() == 0
+    short = capacity_routing(scores, k, cf, num_bins=32, device_rounds=bound - 1, host_reads=False)
+    assert short.dropped.item() == n - bound * capacity  # the 4 tokens the 13th round would place
+    assert quantile_capacity.rounds_that_can_matter(n, k, e, cf, group=object()) == e  # a group's N is unknown
 
 
 def test_host_reads_and_graphs_are_decided_per_device():
