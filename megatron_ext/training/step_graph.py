@@ -44,6 +44,10 @@ def check_step_graph(enabled: bool, model_cfg, world_size: int, cuda: bool) -> N
     if world_size != 1:
         raise ConfigError(f"cuda_graph_step: true runs on one process (world size 1), got world size {world_size}: "
                           "the step's collectives are not captured yet")
+    if getattr(model_cfg, "num_moe_experts", None) and not getattr(model_cfg, "bf16", False):
+        raise ConfigError("cuda_graph_step: true needs bf16 with MoE layers (--bf16): the experts' grouped GEMM "
+                          "takes bf16 on CUDA, and the fp32/fp16 per-expert loop reads token counts on the host, "
+                          "which a capture cannot")
     if (getattr(model_cfg, "moe_qb_host_reads", None)
             and getattr(model_cfg, "moe_balancer", "none") in CAPACITY_BALANCERS):
         raise ConfigError("cuda_graph_step: true needs moe_qb_host_reads: false or null (a host read inside the "
