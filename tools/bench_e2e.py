@@ -47,6 +47,12 @@ They combine (``ours_full_16k+host-reads+no-attnres``). A name may repeat:
 ``--variants ours_full_16k,ours_full_16k+host-reads,ours_full_16k,ours_full_16k+host-reads`` is an ABAB comparison in
 one process. Kernel launch choices are compared across commits (they are not switches).
 
+``--repeat N`` runs the whole list N times in turn (rows of one round apart in time, so drift hits every row alike);
+``rows`` then holds one row per name, its median run (the middle one by step time, the lower middle for an even
+count, failed runs left out), with ``step_ms_runs`` (every run's step time, None where it failed), and ``runs`` every
+timed row in order with its ``round``: the figures a README quotes where runs vary. ``--commit`` records the
+commit the tree is at (the device's copy of a tree may carry stale git metadata).
+
 Fields of a row (JSON; the printed table shows the starred ones):
 
 * ``name``*, ``gpus``*, ``seq``*, ``micro_batch``* (mb); stock rows ``attention`` (their core attention); ours rows
@@ -124,6 +130,8 @@ def parse_args(argv=None):
     p.add_argument("--automatic-gc", action="store_true",
                    help="leave Python's collector on during the steps of every row (default: off, as in training's "
                         "manual_gc; a full collection took ~240 ms)")
+    p.add_argument("--repeat", type=int, default=1, help="rounds over the rows; >1: each row's median run (default 1)")
+    p.add_argument("--commit", default=None, help="the commit to record in the JSON (e.g. git rev-parse --short HEAD)")
     p.add_argument("--profile", default=None, metavar="NAME",
                    help="instead of timing: profile a few steps of NAME, write its top-20 kernels as markdown")
     p.add_argument("--profile-out", default=None, help="markdown path (default docs/profile-NAME.md)")
@@ -135,6 +143,8 @@ def parse_args(argv=None):
     args.warmup = sizes["warmup"] if args.warmup is None else args.warmup
     if not args.smoke and args.steps < 10:
         p.error("--steps must be >= 10 for GPU timings")
+    if args.repeat < 1:
+        p.error(f"--repeat must be >= 1, got {args.repeat}")
     args.variants = [v for v in args.variants.split(",") if v]
     for name in args.variants + ([args.profile] if args.profile else []):
         problem = variant_problem(name, cuda=not args.smoke)
@@ -267,6 +277,21 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
+def median_rows(runs: list[dict]) -> list[dict]:
+    """One row per name (first-appearance order): its middle run by step time (the lower middle for an even count;
+    failed runs left out, the first failure when all failed) with ``step_ms_runs``, every run's step time."""
+    by_name: dict[str, list[dict]] = {}
+    for run in runs:
+        by_name.setdefault(run["name"], []).append(run)
+    rows = []
+    for group in by_name.values():
+        timed = sorted((r for r in group if not r.get("error")), key=lambda r: r["step_ms"])
+        middle = timed[(len(timed) - 1) // 2] if timed else group[0]
+        row = {key: value for key, value in middle.items() if key != "round"}
+        rows.append(dict(row, step_ms_runs=[r.get("step_ms") for r in group]))
+    return rows
+
+
 def add_scaling_efficiency(rows: list[dict]) -> None:
     """Multi-GPU rows get ``scaling_efficiency`` = tokens/s / (GPUs x tokens/s of the one-GPU row of the same
     name): tokens per GPU are the same in both, so 1.0 is perfect weak scaling."""
@@ -307,14 +332,19 @@ def run(args, log=print) -> dict | None:
             path.write_text(table)
             log(table + f"\n> wrote {path}")
         return None
-    rows = []
-    for name in args.variants:
-        rows.append(run_variant(name, args, cuda))
-        if rank == 0:
-            log(f"> {name}: " + (rows[-1].get("error") or f"{rows[-1]['step_ms']:.1f} ms/step"))
+    runs = []
+    for round_ in range(args.repeat):
+        for name in args.variants:
+            runs.append(run_variant(name, args, cuda))
+            if args.repeat > 1:
+                runs[-1]["round"] = round_
+            if rank == 0:
+                log(f"> {name}: " + (runs[-1].get("error") or f"{runs[-1]['step_ms']:.1f} ms/step"))
+    rows = median_rows(runs) if args.repeat > 1 else runs
     import megatron.core
 
-    result = {"rows": rows, "device": torch.cuda.get_device_name() if cuda else "cpu",
+    result = {"rows": rows, **({"runs": runs} if args.repeat > 1 else {}), "repeat": args.repeat,
+              "commit": args.commit, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "date": datetime.date.today().isoformat(), "peak_tflops_measured": args.peak_tflops,
               "peak_tflops_datasheet": H200_DATASHEET_BF16_TFLOPS, "peak_datasheet": DATASHEET_PEAK_NAME,
               "dtype": "bf16" if cuda else "fp32", "steps": args.steps, "warmup": args.warmup,
@@ -329,6 +359,9 @@ def run(args, log=print) -> dict | None:
         log(f"MFU meas.: against the bf16 matmul peak measured here, {args.peak_tflops:.1f} TFLOP/s "
             f"({result['device']}); MFU {H200_DATASHEET_BF16_TFLOPS:.0f}: against {H200_DATASHEET_BF16_TFLOPS:.0f} "
             f"TFLOP/s ({DATASHEET_PEAK_NAME})")
+        for row in rows if args.repeat > 1 else ():
+            log(f"> {row['name']}: median of {args.repeat} rounds, step ms per round "
+                + ", ".join("failed" if ms is None else f"{ms:.1f}" for ms in row["step_ms_runs"]))
         log(format_table(rows))
     return result
 

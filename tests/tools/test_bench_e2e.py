@@ -90,6 +90,37 @@ def test_failed_row_is_shown_and_other_gpu_counts_are_kept(tmp_path):
     assert "failed: OutOfMemoryError" in format_table([failed])
 
 
+def test_median_rows_take_each_names_middle_run():
+    from tools.bench_e2e import median_rows
+
+    def run(name, ms, round_, **extra):
+        return dict(name=name, step_ms=ms, tokens_per_sec=None if ms is None else 1e3 / ms, round=round_, **extra)
+
+    runs = [run("a", 10.0, 0), run("b", 5.0, 0), run("a", 12.0, 1), run("b", None, 1, error="OOM"),
+            run("a", 11.0, 2), run("b", 7.0, 2), run("c", None, 0, error="boom")]
+    rows = {r["name"]: r for r in median_rows(runs)}
+    assert list(rows) == ["a", "b", "c"]
+    assert rows["a"]["step_ms"] == 11.0 and rows["a"]["tokens_per_sec"] == 1e3 / 11.0  # the middle run, whole
+    assert rows["a"]["step_ms_runs"] == [10.0, 12.0, 11.0] and "round" not in rows["a"]
+    assert rows["b"]["step_ms"] == 5.0 and rows["b"]["step_ms_runs"] == [5.0, None, 7.0]  # lower middle of two
+    assert rows["c"]["error"] == "boom" and rows["c"]["step_ms_runs"] == [None]
+
+
+def test_smoke_repeat_reports_the_median_and_every_run(tmp_path):
+    out_json = tmp_path / "e2e.json"
+    stdout = _finish(_start(tmp_path, "--variants", "ours_base,stock", "--repeat", "3", "--commit", "abc1234",
+                            "--out", str(out_json)))
+    result = json.loads(out_json.read_text())
+    assert (result["repeat"], result["commit"]) == (3, "abc1234")
+    assert [r["name"] for r in result["rows"]] == ["ours_base", "stock"]
+    assert [(r["name"], r["round"]) for r in result["runs"]] == [
+        ("ours_base", 0), ("stock", 0), ("ours_base", 1), ("stock", 1), ("ours_base", 2), ("stock", 2)]
+    for row in result["rows"]:
+        times = [r["step_ms"] for r in result["runs"] if r["name"] == row["name"]]
+        assert row["step_ms_runs"] == times and row["step_ms"] == sorted(times)[1]
+    assert "ours_base: median of 3 rounds" in stdout
+
+
 def test_two_gpu_rows_get_their_scaling_efficiency(tmp_path):
     path = tmp_path / "e2e.json"
     one = {"name": "ours_base", "gpus": 1, "seq": 64, "tokens_per_sec": 1000.0}
@@ -113,6 +144,9 @@ def test_option_rows_parse_with_repeats(capsys):
     assert parse_args(["--smoke", "--variants", "ours_full+host-reads"]).variants == ["ours_full+host-reads"]
     assert parse_args(["--variants", "ours_base+step-graph,ours_full+step-graph"]).variants == [
         "ours_base+step-graph", "ours_full+step-graph"]
+    with pytest.raises(SystemExit):
+        parse_args(["--smoke", "--repeat", "0"])
+    assert "--repeat must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--smoke", "--variants", "ours_base+step-graph"])
     assert "+step-graph replays the step from a CUDA graph: it needs a CUDA GPU" in capsys.readouterr().err
