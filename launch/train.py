@@ -211,6 +211,7 @@ def main(argv=None) -> None:
             sharded_state(False, not ckpt_cfg.no_save_optim),
             {"iteration": it, "consumed_samples": consumed, "scheduler": scheduler.state_dict()},
             config=cfg.to_dict(),
+            keep_last=ckpt_cfg.keep_last_checkpoints,
         )
         log0(f"> saved checkpoint {path}")
         last_saved = it

@@ -173,12 +173,15 @@ def save_checkpoint(
     *,
     config: Optional[dict] = None,
     save_rng: bool = True,
+    keep_last: Optional[int] = None,
 ) -> str:
     """Save atomically to ``save_dir/iter_XXXXXXX``; every rank must call it. Returns the path.
 
     ``common_state`` holds small picklable values (ints, floats, str, lists, dicts, tensors)
     that are the same on every rank; ``config`` is the merged config dict
-    (``LoadedConfig.to_dict()``), stored with it.
+    (``LoadedConfig.to_dict()``), stored with it. ``keep_last``: once this save is complete and
+    tracked, delete the older complete checkpoints beyond the newest ``keep_last`` (this one
+    counted; None keeps all): :func:`prune_checkpoints`.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -214,8 +217,25 @@ def save_checkpoint(
         os.rename(tmp, final)
         _fsync_path(save_dir)
         _write_atomic(os.path.join(save_dir, TRACKER_FILE), f"{iteration}\n")
+        if keep_last is not None:
+            prune_checkpoints(save_dir, keep_last, keep=final)
     _barrier()
     return final
+
+
+def prune_checkpoints(save_dir: str, keep_last: int, keep: Optional[str] = None) -> list[str]:
+    """Delete the complete checkpoints of ``save_dir`` beyond the ``keep_last`` newest by iteration,
+    never ``keep`` (the one just saved, counted among them); rank 0 only. Only after a save is
+    complete and tracked, so a crash never leaves fewer loadable checkpoints than asked for; ``.tmp``
+    and incomplete directories are not touched. Returns the deleted paths."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    newest = sorted(complete_checkpoints(save_dir), reverse=True)
+    others = [path for _, path in newest if path != keep]
+    doomed = others[keep_last - (1 if keep else 0):]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
 
 
 def remove_stale_temp_dirs(save_dir: str) -> list[str]:

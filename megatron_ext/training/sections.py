@@ -157,6 +157,8 @@ class CheckpointConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
+    # After each complete save, delete older checkpoints beyond this many (the new one counted); null keeps all.
+    keep_last_checkpoints: Optional[int] = None
     no_save_optim: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False
@@ -166,6 +168,8 @@ class CheckpointConfig:
     def __post_init__(self):
         si = self.save_interval
         _require(si is None or si >= 1, "save_interval", f"must be >= 1 or null, got {si}")
+        keep = self.keep_last_checkpoints
+        _require(keep is None or keep >= 1, "keep_last_checkpoints", f"must be >= 1 or null, got {keep}")
 
 
 @dataclass

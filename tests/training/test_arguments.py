@@ -101,6 +101,7 @@ def test_defaults_and_global_batch_from_dp():
     (["--no-lr", "1"], r"unknown config key 'no_lr'|only bool keys"),
     (["--split", "0,1"], r"split: comma-separated"),
     (["--manual-gc-interval", "-1"], r"manual_gc_interval: must be >= 0 \(0: no collections during training\)"),
+    (["--keep-last-checkpoints", "0"], r"keep_last_checkpoints: must be >= 1 or null, got 0"),
 ])
 def test_bad_flags_fail_with_the_key_and_what_is_allowed(argv, match):
     with pytest.raises(ConfigError, match=match):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -163,6 +164,32 @@ def _recover_worker(rank, world, save_dir, empty_dir):
     empty = _load_worker(rank, world, empty_dir)
     _save_worker(rank, world, save_dir, 5, 4)
     return loaded, bad_iteration, empty
+
+
+def _save_keeping_worker(rank, world, save_dir, keep_last):
+    weight, bias = _reference(rank)
+    kept = []
+    for iteration in (1, 2, 3, 4):
+        ckpt.save_checkpoint(save_dir, iteration, _sharded(weight.chunk(world)[rank].clone(), bias, rank, world),
+                             keep_last=keep_last)
+        kept.append(sorted(it for it, _ in ckpt.complete_checkpoints(save_dir)))
+    return kept
+
+
+def test_keep_last_deletes_older_checkpoints_only_after_a_complete_save(tmp_path):
+    save_dir = str(tmp_path / "ckpt")
+    kept = run_distributed(_save_keeping_worker, 2, save_dir, 2)
+    assert kept[0] == kept[1] == [[1], [1, 2], [2, 3], [3, 4]]
+    assert ckpt.find_latest_checkpoint(save_dir)[0] == 4
+    # Unit cases: a .tmp save and an incomplete directory are left alone; the one just saved is kept even
+    # when a newer one is there (a run restarted from an older checkpoint into the same directory).
+    os.makedirs(os.path.join(save_dir, "iter_0000009.tmp"))
+    os.makedirs(os.path.join(save_dir, "iter_0000008"))
+    assert ckpt.prune_checkpoints(save_dir, 1, keep=os.path.join(save_dir, "iter_0000003")) == [
+        os.path.join(save_dir, "iter_0000004")]
+    assert sorted(os.listdir(save_dir)) == ["iter_0000003", "iter_0000008", "iter_0000009.tmp", ckpt.TRACKER_FILE]
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        ckpt.prune_checkpoints(save_dir, 0)
 
 
 def _damage_then_load_worker(rank, world, save_dir):

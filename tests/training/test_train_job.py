@@ -23,7 +23,9 @@ def test_resume_is_exact(tmp_path, precision):
     ckpt = str(tmp_path / "ckpt")
     flags = PRECISIONS[precision]
     straight = train(tmp_path, "straight", 2, *flags, "--train-iters", "6")
-    train(tmp_path, "first_half", 2, *flags, "--train-iters", "3", "--save", ckpt, "--save-interval", "3")
+    train(tmp_path, "first_half", 2, *flags, "--train-iters", "3", "--save", ckpt, "--save-interval", "1",
+          "--keep-last-checkpoints", "2")
+    assert sorted(d for d in os.listdir(ckpt) if d.startswith("iter_")) == ["iter_0000002", "iter_0000003"]
     resumed = train(tmp_path, "resumed", 2, *flags, "--train-iters", "6", "--load", ckpt)
     assert sorted(resumed) == [4, 5, 6]
     for it in (4, 5, 6):
