@@ -24,7 +24,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
         gate = gate.contiguous() if gate is not None else None
         weight = weight.contiguous()
-        y, rstd, x = rms_norm_fwd(x, weight, gate, eps)  # x as it is when its tokens lie apart: no copy
+        y, rstd, x, ctx.layout = rms_norm_fwd(x, weight, gate, eps)  # x as it is when its tokens lie apart
         ctx.save_for_backward(x, weight, gate, rstd)  # not y: backward recomputes x * rstd
         return y
 
@@ -33,7 +33,7 @@ class _RMSNormFunction(torch.autograd.Function):
         from kimi_kernels.rms_norm.fused import rms_norm_bwd
 
         x, weight, gate, rstd = ctx.saved_tensors
-        dx, dweight, dgate = rms_norm_bwd(dy.contiguous(), x, weight, gate, rstd)
+        dx, dweight, dgate = rms_norm_bwd(dy.contiguous(), x, ctx.layout, weight, gate, rstd)
         return dx, dweight, dgate, None
 
 

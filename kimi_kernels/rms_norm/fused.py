@@ -18,6 +18,8 @@ stride over the row blocks, each summing its share of dw in an fp32 [BLOCK_ROWS,
 writing one fp32 row of a [programs, h] buffer that the caller sums: deterministic, no atomics.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -129,17 +131,14 @@ def token_layout(x: torch.Tensor) -> tuple[torch.Tensor, dict]:
     together) through those strides, without a copy; anything else copied to contiguous."""
     if x.is_contiguous() or not tokens_lie_apart(x):
         return x.contiguous(), dict(x_d1=1, x_rows_per_token=1, x_s0=0, x_s1=0, X_STRIDED=False)
-    rows_per_token = 1
-    for size in x.shape[2:-1]:
-        rows_per_token *= size
-    return x, dict(x_d1=x.shape[1], x_rows_per_token=rows_per_token, x_s0=x.stride(0), x_s1=x.stride(1),
+    return x, dict(x_d1=x.shape[1], x_rows_per_token=math.prod(x.shape[2:-1]), x_s0=x.stride(0), x_s1=x.stride(1),
                    X_STRIDED=True)
 
 
 def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None, eps: float):
     """``x [..., h]`` (addressed as :func:`token_layout` returns it), ``gate`` x's shape, contiguous, or None,
-    ``weight [h]`` -> ``y`` (x's shape, contiguous, x's dtype), ``rstd [M]`` fp32 (M = rows) and x as the kernel
-    read it (what the backward takes)."""
+    ``weight [h]`` -> ``y`` (x's shape, contiguous, x's dtype), ``rstd [M]`` fp32 (M = rows), and x as the kernel
+    read it with its layout arguments (what the backward takes)."""
     hidden = x.shape[-1]
     rows = x.numel() // hidden if hidden else 0
     x, layout = token_layout(x)
@@ -150,17 +149,16 @@ def rms_norm_fwd(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | Non
         rms_norm_fwd_kernel[(triton.cdiv(rows, cfg["BLOCK_ROWS"]),)](
             x, weight, gate if gate is not None else y, y, rstd, rows, hidden, float(eps), **layout,
             HAS_GATE=gate is not None, **cfg)
-    return y, rstd, x
+    return y, rstd, x, layout
 
 
-def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None,
-                 rstd: torch.Tensor):
-    """``dy`` (x's shape) contiguous, ``x`` as the forward read it -> ``dx`` (x's dtype, in x's layout when the
-    kernels read x through its strides), ``dweight`` (weight's dtype, fp32 sums), ``dgate`` (gate's dtype, or
-    None)."""
+def rms_norm_bwd(dy: torch.Tensor, x: torch.Tensor, layout: dict, weight: torch.Tensor,
+                 gate: torch.Tensor | None, rstd: torch.Tensor):
+    """``dy`` (x's shape) contiguous, ``x`` and ``layout`` as the forward read it -> ``dx`` (x's dtype, in x's
+    layout when the kernels read x through its strides), ``dweight`` (weight's dtype, fp32 sums), ``dgate``
+    (gate's dtype, or None)."""
     hidden = x.shape[-1]
     rows = x.numel() // hidden if hidden else 0
-    x, layout = token_layout(x)
     dx = torch.empty_strided(x.shape, x.stride(), device=x.device, dtype=x.dtype)
     dgate = torch.empty_like(gate) if gate is not None else None
     if not rows:

@@ -223,7 +223,7 @@ def save_checkpoint(
     return final
 
 
-def prune_checkpoints(save_dir: str, keep_last: int, keep: Optional[str] = None) -> list[str]:
+def prune_checkpoints(save_dir: str, keep_last: int, keep: str) -> list[str]:
     """Delete the complete checkpoints of ``save_dir`` beyond the ``keep_last`` newest by iteration,
     never ``keep`` (the one just saved, counted among them); rank 0 only. Only after a save is
     complete and tracked, so a crash never leaves fewer loadable checkpoints than asked for; ``.tmp``
@@ -232,7 +232,7 @@ def prune_checkpoints(save_dir: str, keep_last: int, keep: Optional[str] = None)
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     newest = sorted(complete_checkpoints(save_dir), reverse=True)
     others = [path for _, path in newest if path != keep]
-    doomed = others[keep_last - (1 if keep else 0):]
+    doomed = others[keep_last - 1:]
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return doomed

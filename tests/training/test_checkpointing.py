@@ -189,7 +189,7 @@ def test_keep_last_deletes_older_checkpoints_only_after_a_complete_save(tmp_path
         os.path.join(save_dir, "iter_0000004")]
     assert sorted(os.listdir(save_dir)) == ["iter_0000003", "iter_0000008", "iter_0000009.tmp", ckpt.TRACKER_FILE]
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
-        ckpt.prune_checkpoints(save_dir, 0)
+        ckpt.prune_checkpoints(save_dir, 0, keep=os.path.join(save_dir, "iter_0000003"))
 
 
 def _damage_then_load_worker(rank, world, save_dir):
