@@ -84,6 +84,7 @@ recorded with its error and the others still run.
 
     python tools/bench_e2e.py                                  # one GPU -> docs/bench/e2e-h200.json
     torchrun --nproc-per-node 2 tools/bench_e2e.py             # EP2 rows (gpus: 2), merged into it
+    python tools/bench_e2e.py merge A.json B.json --commit C --out docs/bench/e2e-h200.json   # calls of one commit
     python tools/bench_e2e.py --profile ours_full              # top-20 kernels -> docs/profile-ours_full.md
     python tools/bench_e2e.py --smoke --out /tmp/e2e.json      # CPU, tiny, fp32, gloo: code path only
 """
@@ -102,6 +103,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import bench_common  # noqa: E402
+from tools.e2e_results import (  # noqa: E402
+    DATASHEET_PEAK_NAME, H200_DATASHEET_BF16_TFLOPS, format_table, median_rows, merge_calls, write_json,
+)
 from tools.e2e_rows import (  # noqa: E402
     CAPACITY_FACTOR, GPU_SIZES, ROW_OPTIONS, SMOKE_SIZES, STOCK_ATTENTION, STOCK_AUX_LOSS, VARIANTS, split_variant,
     capacity_layout, variant_problem, variant_setup, variant_shape,
@@ -109,8 +113,6 @@ from tools.e2e_rows import (  # noqa: E402
 
 DEFAULT_OUT = "docs/bench/e2e-h200.json"
 PROFILE_ACTIVE_STEPS = 3
-H200_DATASHEET_BF16_TFLOPS = 989.0  # H200 SXM dense bf16, NVIDIA datasheet
-DATASHEET_PEAK_NAME = "H200 SXM dense bf16, NVIDIA datasheet"
 
 
 def parse_args(argv=None):
@@ -257,67 +259,6 @@ def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int,
 
 
 # --- Output --------------------------------------------------------------------------------------
-TABLE_HEADER = ("name", "gpus", "seq", "mb", "step ms", "optim ms", "tokens/s", "TFLOP/s", "MFU meas.",
-                f"MFU {H200_DATASHEET_BF16_TFLOPS:.0f}", "peak GB", "grads", "dropped", "rerouted")
-
-
-def format_table(rows) -> str:
-    """One line per row; ``MFU meas.`` is against the matmul peak measured in the run, ``MFU 989`` against the
-    datasheet; dropped / rerouted are ``-`` for rows without capacity routing."""
-    lines = [" | ".join(f"{h:>13}" for h in TABLE_HEADER)]
-    for r in rows:
-        cells = [r["name"], r["gpus"], r["seq"], r["micro_batch"]]
-        if r.get("error"):
-            cells.append("failed: " + r["error"][:60])
-        else:
-            cells += [f"{r['step_ms']:.1f}", f"{r['optimizer_ms']:.1f}", f"{r['tokens_per_sec']:,.0f}",
-                      f"{r['tflops']:.1f}", f"{r['mfu']:.1%}", f"{r['mfu_datasheet']:.1%}", f"{r['peak_gb']:.2f}",
-                      r.get("main_grad_dtype", ""), r.get("dropped", "-"), r.get("rerouted", "-")]
-        lines.append(" | ".join(f"{c!s:>13}" for c in cells))
-    return "\n".join(lines)
-
-
-def median_rows(runs: list[dict]) -> list[dict]:
-    """One row per name (first-appearance order): its middle run by step time (the lower middle for an even count;
-    failed runs left out, the first failure when all failed) with ``step_ms_runs``, every run's step time."""
-    by_name: dict[str, list[dict]] = {}
-    for run in runs:
-        by_name.setdefault(run["name"], []).append(run)
-    rows = []
-    for group in by_name.values():
-        timed = sorted((r for r in group if not r.get("error")), key=lambda r: r["step_ms"])
-        middle = timed[(len(timed) - 1) // 2] if timed else group[0]
-        row = {key: value for key, value in middle.items() if key != "round"}
-        rows.append(dict(row, step_ms_runs=[r.get("step_ms") for r in group]))
-    return rows
-
-
-def add_scaling_efficiency(rows: list[dict]) -> None:
-    """Multi-GPU rows get ``scaling_efficiency`` = tokens/s / (GPUs x tokens/s of the one-GPU row of the same
-    name): tokens per GPU are the same in both, so 1.0 is perfect weak scaling."""
-    single = {r["name"]: r.get("tokens_per_sec") for r in rows if r.get("gpus") == 1}
-    for r in rows:
-        base = single.get(r["name"])
-        if r.get("gpus", 1) > 1 and base and r.get("tokens_per_sec"):
-            r["scaling_efficiency"] = r["tokens_per_sec"] / (r["gpus"] * base)
-
-
-def write_json(path: str, result: dict) -> None:
-    """Write ``result``; rows of another GPU count already in ``path`` are kept (1-GPU + EP2 in one file),
-    and multi-GPU rows get their scaling efficiency against the one-GPU rows."""
-    out = Path(path)
-    if out.exists():
-        try:
-            old = json.loads(out.read_text())
-            kept = [r for r in old.get("rows", []) if r.get("gpus") not in {r2["gpus"] for r2 in result["rows"]}]
-            result = {**result, "rows": kept + result["rows"]}
-        except (json.JSONDecodeError, AttributeError, KeyError):
-            pass  # an unreadable old file is replaced
-    add_scaling_efficiency(result["rows"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-
-
 def run(args, log=print) -> dict | None:
     cuda = not args.smoke
     if cuda and not torch.cuda.is_available():
@@ -367,6 +308,17 @@ def run(args, log=print) -> dict | None:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:
+        p = argparse.ArgumentParser(prog="bench_e2e.py merge", description=merge_calls.__doc__.split(":")[0])
+        p.add_argument("paths", nargs="+", help="the JSON files of the calls, in call order")
+        p.add_argument("--commit", required=True, help="the commit every call timed")
+        p.add_argument("--out", required=True)
+        merge_args = p.parse_args(argv[1:])
+        result = merge_calls([json.loads(Path(path).read_text()) for path in merge_args.paths], merge_args.commit)
+        Path(merge_args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(format_table(result["rows"]) + f"\n> wrote {merge_args.out}")
+        return result
     args = parse_args(argv)
     try:
         return run(args, log=lambda line: print(line, flush=True))

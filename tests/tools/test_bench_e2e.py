@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench_e2e import H200_DATASHEET_BF16_TFLOPS, format_table, write_json
+from tools.e2e_results import format_table, median_rows, write_json
 from tools.e2e_rows import VARIANTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,8 +91,6 @@ def test_failed_row_is_shown_and_other_gpu_counts_are_kept(tmp_path):
 
 
 def test_median_rows_take_each_names_middle_run():
-    from tools.bench_e2e import median_rows
-
     def run(name, ms, round_, **extra):
         return dict(name=name, step_ms=ms, tokens_per_sec=None if ms is None else 1e3 / ms, round=round_, **extra)
 
@@ -284,3 +282,41 @@ def test_ours_rows_step_through_trainings_nan_guard(monkeypatch, leaves_no_proce
     rows = {row["name"]: row for row in bench_e2e.run(args, log=lambda *a: None)["rows"]}
     assert "non-finite loss or grad norm in a benchmark step" in rows["ours_base"]["error"]
     assert "error" not in rows["stock"], rows["stock"].get("error")
+
+
+def test_merge_takes_each_rows_median_over_the_calls_of_one_commit(tmp_path):
+    import random
+
+    from tools.bench_e2e import main
+
+    rng = random.Random(7)
+
+    def row(name, gpus=1):
+        ms = rng.uniform(90.0, 130.0)
+        return dict(name=name, gpus=gpus, seq=64, micro_batch=2, step_ms=ms, optimizer_ms=1.0, tokens_per_sec=1e3 / ms,
+                    tflops=1.0, mfu=0.1, mfu_datasheet=0.08, peak_gb=1.0)
+
+    one_round = [{"commit": "abc", "date": f"d{i}", "rows": [row("ours_base"), row("ours_base", gpus=2)]}
+                 for i in range(2)]
+    repeated_runs = [dict(row("ours_base"), round=r) for r in range(3)] + [row("stock")]
+    unrecorded = {"commit": None, "date": "d2", "repeat": 3, "rows": [], "runs": repeated_runs}  # an A/B's tree
+    paths = []
+    for i, result in enumerate([*one_round, unrecorded]):
+        paths.append(tmp_path / f"call{i}.json")
+        paths[-1].write_text(json.dumps(result))
+    out = tmp_path / "merged.json"
+    main(["merge", *map(str, paths), "--commit", "abc", "--out", str(out)])
+    merged = json.loads(out.read_text())
+
+    one_gpu = [r["rows"][0]["step_ms"] for r in one_round] + [r["step_ms"] for r in repeated_runs[:3]]
+    rows = {(r["name"], r["gpus"]): r for r in merged["rows"]}
+    assert rows["ours_base", 1]["step_ms"] == sorted(one_gpu)[2] and rows["ours_base", 1]["step_ms_runs"] == one_gpu
+    assert rows["ours_base", 2]["step_ms_runs"] == [r["rows"][1]["step_ms"] for r in one_round]
+    assert rows["stock", 1]["step_ms"] == repeated_runs[3]["step_ms"]
+    assert merged["commit"] == "abc" and [c["date"] for c in merged["calls"]] == ["d0", "d1", "d2"]
+    assert [r["call"] for r in merged["runs"]] == [0, 0, 1, 1, 2, 2, 2, 2]
+    assert rows["ours_base", 2]["scaling_efficiency"] > 0
+
+    paths[0].write_text(json.dumps(dict(one_round[0], commit="def")))
+    with pytest.raises(SystemExit, match="def"):
+        main(["merge", *map(str, paths), "--commit", "abc", "--out", str(out)])
