@@ -17,7 +17,9 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from megatron_ext.errors import ConfigError
-from megatron_ext.training.checkpointing import find_latest_checkpoint, is_complete_checkpoint
+from megatron_ext.training.checkpointing import (
+    DamagedCheckpointError, complete_checkpoints, first_intact_checkpoint, is_complete_checkpoint,
+)
 
 # Prefixes of the model's own tensors (the rest: optimizer state, RNG, ...).
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.")
@@ -43,19 +45,22 @@ def one_rank_group():
             dist.destroy_process_group()
 
 
-def resolve_checkpoint(path: str) -> str:
-    """``path`` itself when it is one checkpoint (``iter_XXXXXXX``), else its newest complete one."""
-    if is_complete_checkpoint(path):
-        return path
-    found = find_latest_checkpoint(path)
-    if found is None:
+def resolve_checkpoint(path: str, log=print) -> str:
+    """``path`` itself when it is one checkpoint (``iter_XXXXXXX``), else the one training would load from it (the
+    newest complete one); either way only once its files pass the checksums saved with it. A save directory's
+    damaged checkpoint is skipped for the next older one, as training's load does, saying so through ``log``."""
+    candidates = [(None, path)] if is_complete_checkpoint(path) else complete_checkpoints(path)
+    if not candidates:
         raise ConfigError(f"{path}: no complete dist checkpoint (no metadata.json, no iter_* directory)")
-    return found[1]
+    try:
+        return first_intact_checkpoint(candidates, log)
+    except DamagedCheckpointError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class DistCheckpointReader:
-    def __init__(self, path: str):
-        self.path = resolve_checkpoint(path)
+    def __init__(self, path: str, log=print):
+        self.path = resolve_checkpoint(path, log)
         metadata = dist_checkpointing.load_tensors_metadata(self.path)
         self.tensors = {k: v for k, v in metadata.items()
                         if isinstance(v, ShardedTensor) and k.startswith(MODEL_PREFIXES)}

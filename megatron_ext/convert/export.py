@@ -1,9 +1,10 @@
 """Dist checkpoint (any layout) -> Hugging Face Kimi Linear directory, one layer at a time.
 
-Reads the model config from the checkpoint's common state, checks that every model tensor of the
-checkpoint has a place in the format (and every place a tensor), then converts group by group (the
-embedding, each decoder layer, the head): read the group's global tensors, split them into the
-released names, hand them to the shard writer. Peak memory: one group plus one output shard.
+Checks the checkpoint's files against the checksums saved with them, reads the model config from its
+common state, checks that every model tensor of the checkpoint has a place in the format (and every
+place a tensor), then converts group by group (the embedding, each decoder layer, the head): read the
+group's global tensors, split them into the released names, hand them to the shard writer. Peak
+memory: one group plus one output shard.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ def _check_tensors(reader: DistCheckpointReader, groups) -> None:
         raise ConfigError(f"checkpoint lacks tensor(s) its config implies: {', '.join(missing[:8])}")
 
 
-def export_checkpoint(ckpt_dir: str, hf_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
-    """Convert; returns ``{"checkpoint", "shards", "tensors", "bytes"}``."""
+def export_checkpoint(ckpt_dir: str, hf_dir: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, log=print) -> dict:
+    """Convert the checkpoint training would load from ``ckpt_dir`` (checksums verified first: a damaged one is
+    skipped, ``log`` says so); returns ``{"checkpoint", "shards", "tensors", "bytes"}``."""
     with one_rank_group():
-        reader = DistCheckpointReader(ckpt_dir)
+        reader = DistCheckpointReader(ckpt_dir, log)
         saved = reader.common().get("config")
         cfg = hybrid_config_from_saved(saved)
         dtype_name = "bfloat16" if (saved or {}).get("bf16") else "float32"

@@ -318,7 +318,7 @@ def load_checkpoint(
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no metadata.json)")
         candidates = [(iteration, path)]
     _require_process_group("load_checkpoint")
-    path = _first_intact(candidates, log)
+    path = first_intact_checkpoint(candidates, log)
     world, rank = dist.get_world_size(), dist.get_rank()
     common = dist_checkpointing.load_common_state_dict(path)[_COMMON_KEY]
     if check_common is not None:
@@ -334,7 +334,7 @@ def load_checkpoint(
     return loaded, common
 
 
-def _first_intact(candidates: list[tuple[int, str]], log: Callable[[str], None]) -> str:
+def first_intact_checkpoint(candidates: list[tuple[int, str]], log: Callable[[str], None]) -> str:
     """The path of the first candidate whose files pass their checksums (every rank checks a share)."""
     refused = []
     for _, path in candidates:

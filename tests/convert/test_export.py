@@ -106,3 +106,34 @@ def test_export_refuses_settings_the_format_cannot_hold(override, message):
     cfg = HybridConfig(use_cpu_initialization=True, **{**TINY_KIMI, **override})
     with pytest.raises(ConfigError, match=re.escape(message)):
         to_kimi_config(cfg, "float32")
+
+
+def test_export_checks_the_checksums_and_skips_a_damaged_checkpoint(trained, tmp_path):
+    """From a save directory a damaged newest checkpoint is named and the older intact one exported (the same
+    bytes as the first export: it is a copy); a damaged checkpoint named directly stops the export."""
+    import shutil
+
+    save = tmp_path / "ckpt"
+    shutil.copytree(trained / "ckpt", save)
+    (newest,) = sorted(save.glob("iter_*"))
+    older = save / "iter_0000001"
+    shutil.copytree(newest, older)
+    shard = max(newest.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    with open(shard, "r+b") as f:  # changed in place, same size: only the checksum sees it
+        f.seek(shard.stat().st_size // 2)
+        f.write(torch.randn(64).numpy().tobytes())
+
+    exported = run_tool("export", str(save), str(tmp_path / "hf"), "--max-shard-size", "200KB")
+    assert exported.returncode == 0, exported.stderr[-4000:]
+    assert f"refusing damaged checkpoint {newest}" in exported.stdout
+    assert f"{shard}: contents changed since the save (CRC-32 mismatch)" in exported.stdout
+    assert f"exported {older} ->" in exported.stdout
+    first = sorted(p.name for p in (trained / "hf").iterdir())
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == first
+    for name in first:
+        assert (tmp_path / "hf" / name).read_bytes() == (trained / "hf" / name).read_bytes(), name
+
+    refused = run_tool("export", str(newest), str(tmp_path / "hf2"))
+    assert refused.returncode == 2 and "no intact checkpoint to load" in refused.stderr
+    assert f"{shard}: contents changed since the save (CRC-32 mismatch)" in refused.stderr
+    assert not (tmp_path / "hf2" / "config.json").exists()
