@@ -76,3 +76,20 @@ def test_steps_are_checked_and_groups_expand_before_anything_runs():
     assert names == ["resume", *(f"balancer-{b}" for b in acceptance.BALANCERS), "gpu-tests"]
     with pytest.raises(SystemExit, match="unknown step.*bogus"):
         acceptance.step_names("resume,bogus")
+
+
+def test_checkpoints_stay_in_the_tmpfs_folder_an_earlier_call_left(tmp_path, monkeypatch):
+    """sigterm in a later call finds resume's checkpoint although that checkpoint leaves the tmpfs short of room."""
+    from tools.gpu import acceptance_runs
+
+    tmpfs, work = tmp_path / "shm", tmp_path / "work"
+    tmpfs.mkdir()
+    monkeypatch.setattr(acceptance_runs, "TMPFS", tmpfs)
+    monkeypatch.setattr(acceptance_runs, "TMPFS_MIN_FREE_GB", 1e9)  # never room for a new one
+    assert acceptance_runs.checkpoint_root(work) == work / "checkpoints"
+    (tmpfs / "acceptance-checkpoints" / "B").mkdir(parents=True)
+    assert acceptance_runs.checkpoint_root(work) == tmpfs / "acceptance-checkpoints"
+    monkeypatch.setattr(acceptance_runs, "TMPFS_MIN_FREE_GB", 0.0)
+    (tmpfs / "acceptance-checkpoints" / "B").rmdir()
+    (tmpfs / "acceptance-checkpoints").rmdir()
+    assert acceptance_runs.checkpoint_root(work) == tmpfs / "acceptance-checkpoints"  # room: the tmpfs

@@ -17,7 +17,8 @@ Steps (``--steps``, comma-separated; each has its own time limit and records ``n
   once it has logged SIGTERM_AFTER (as SLURM's ``--signal`` reaches the batch script) and must save the iteration
   it stands at and exit 0; run T2 resumes from that save. Both against run C (the same checkpoint, uninterrupted):
   T's first iteration within FIRST_TOLERANCE and its next JUDGED_UPDATES within TOLERANCE, T2's first two within
-  TOLERANCE. Needs ``resume`` in the same call;
+  TOLERANCE. Needs ``resume`` run before it on this machine: in the same call, or in an earlier call while the
+  machine is still held (its run C and checkpoint stay on disk; ``resume`` alone can take 330 s of a call's 600);
 * ``balancers`` (one step ``balancer-<name>`` each) - each balancer trains BALANCER_ITERS iterations of ``configs/h200.yaml``: tokens/s (median of
   the logged windows after the first), MaxVio, dropped and rerouted pairs;
 * ``tensorboard`` - run C's TensorBoard run (a resumed run) holds a loss point per logged iteration, the scalars,
@@ -129,7 +130,8 @@ def step_sigterm(job: Job) -> dict:
     reference, loaded = records(job.work / "C"), job.checkpoints / "B"
     resumed_from = last_checkpoint(loaded)
     if not resumed_from or resumed_from + 1 not in reference:
-        return {"passed": False, "why": "needs the resume step's checkpoint and run C in the same call"}
+        return {"passed": False, "why": "needs the resume step's checkpoint and run C (this call or an earlier one "
+                                        "on this machine)"}
     ckpt = job.checkpoints / "T"
     # B's checkpoint is read by the time T logs: removed then, one checkpoint in the tmpfs at a time
     t = train(job, "T", "--train-iters", str(RESUME_ITERS), "--load", str(loaded), "--save", str(ckpt),

@@ -32,9 +32,12 @@ class Job:
 
 
 def checkpoint_root(work: Path) -> Path:
-    """The tmpfs when it has room for a checkpoint of the H200 model, else beside the logs."""
-    if TMPFS.is_dir() and shutil.disk_usage(TMPFS).free / 1e9 >= TMPFS_MIN_FREE_GB:
-        return TMPFS / "acceptance-checkpoints"
+    """The tmpfs when it has room for a checkpoint of the H200 model, else beside the logs. A tmpfs folder left by an
+    earlier call on this machine is kept: the checkpoint in it (``sigterm`` starts from ``resume``'s) is what
+    takes the room, and the steps remove what they no longer need before they save."""
+    tmpfs_root = TMPFS / "acceptance-checkpoints"
+    if tmpfs_root.is_dir() or (TMPFS.is_dir() and shutil.disk_usage(TMPFS).free / 1e9 >= TMPFS_MIN_FREE_GB):
+        return tmpfs_root
     return work / "checkpoints"
 
 
