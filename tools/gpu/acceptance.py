@@ -58,6 +58,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from megatron_ext.moe.balancers import BALANCERS, CAPACITY_BALANCERS  # noqa: E402
 from tools.gpu.acceptance_runs import (  # noqa: E402
     DEFAULT_CONFIG, Job, checkpoint_root, records, timing, train,
 )
@@ -65,10 +66,9 @@ from tools.gpu.acceptance_runs import (  # noqa: E402
 RESUME_ITERS, SAVE_INTERVAL, KILL_AFTER, SIGTERM_AFTER = 30, 10, 16, 11
 FIRST_TOLERANCE, TOLERANCE = 1e-3, 1e-2
 JUDGED_UPDATES = 2  # iterations after a resume's first that are judged; later ones carry the GPU's growing noise
-BALANCERS = ("none", "aux_loss", "sign_bias", "qb_bias", "qb_capacity", "qb_both")
 BALANCER_ITERS, BALANCER_LOG_INTERVAL = 30, 5
 CAPACITY = ("--moe-expert-capacity-factor", "1.25")  # as issue 29 measured them
-BALANCER_FLAGS = {"aux_loss": ("--moe-aux-loss-coeff", "1e-2"), "qb_capacity": CAPACITY, "qb_both": CAPACITY}
+BALANCER_FLAGS = {"aux_loss": ("--moe-aux-loss-coeff", "1e-2"), **{b: CAPACITY for b in CAPACITY_BALANCERS}}
 EP2_TOLERANCE = 2e-2  # relative: bf16 sums in another order over 10 steps
 
 
