@@ -1,6 +1,7 @@
 """tools/gpu/acceptance.py's judgement of a resume (it runs on the GPU; its rules are checked here on made-up losses)."""
 
 import json
+import statistics
 
 import pytest
 
@@ -93,3 +94,30 @@ def test_checkpoints_stay_in_the_tmpfs_folder_an_earlier_call_left(tmp_path, mon
     (tmpfs / "acceptance-checkpoints" / "B").rmdir()
     (tmpfs / "acceptance-checkpoints").rmdir()
     assert acceptance_runs.checkpoint_root(work) == tmpfs / "acceptance-checkpoints"  # room: the tmpfs
+
+
+def test_step_graph_judges_the_graphed_run_against_the_eager_one(tmp_path, monkeypatch):
+    """The step's wiring on made-up runs: the flag reaches run G only, G's losses are judged against E's from
+    iteration 2, the speeds are the medians of the second half."""
+    iters = acceptance.GRAPH_ITERS
+    eager = {i: {"lm_loss": r["lm_loss"], "tokens_per_sec": 100.0 + i} for i, r in _losses(0.3).items() if i <= iters}
+    calls = []
+
+    def fake_train(job, name, *flags, **kwargs):
+        calls.append((name, flags))
+        graphed = "--cuda-graph-step" in flags
+        recs = {i: dict(r, lm_loss=r["lm_loss"] * (1 + off if graphed and i == 3 else 1),
+                        tokens_per_sec=r["tokens_per_sec"] * (1.25 if graphed else 1)) for i, r in eager.items()}
+        return {"rc": 0, "records": recs, "tail": "", "seconds": 1.0, "first_logged_s": 0.5, "last_logged_s": 0.9}
+
+    monkeypatch.setattr(acceptance, "train", fake_train)
+    job = acceptance.Job(work=tmp_path, checkpoints=tmp_path / "ckpt")
+    off = 5e-3
+    result = acceptance.step_step_graph(job)
+    assert [(name, "--cuda-graph-step" in flags) for name, flags in calls] == [("graph-E", False), ("graph-G", True)]
+    second_half = [100.0 + i for i in range(iters // 2 + 1, iters + 1)]
+    assert result["passed"] and result["judged_iterations"] == [2, 3, 4]
+    assert result["tokens_per_sec_eager"] == pytest.approx(statistics.median(second_half))
+    assert result["graph_vs_eager"] == pytest.approx(1.25)
+    off = 2e-2  # the first replay off by more than bf16 noise
+    assert not acceptance.step_step_graph(job)["passed"]

@@ -21,6 +21,10 @@ Steps (``--steps``, comma-separated; each has its own time limit and records ``n
   machine is still held (its run C and checkpoint stay on disk; ``resume`` alone can take 330 s of a call's 600);
 * ``balancers`` (one step ``balancer-<name>`` each) - each balancer trains BALANCER_ITERS iterations of ``configs/h200.yaml``: tokens/s (median of
   the logged windows after the first), MaxVio, dropped and rerouted pairs;
+* ``step-graph`` - ``configs/h200.yaml`` trained GRAPH_ITERS iterations eager (run E) and with ``--cuda-graph-step``
+  (run G: two eager steps, then one graph replayed): G's losses against E's by the resume rule (iteration 2, the
+  last eager one, within FIRST_TOLERANCE; the first replays within TOLERANCE) and both runs' tokens/s (median of
+  the iterations of the second half): what ``cuda_graph_step`` gives the shipped config;
 * ``tensorboard`` - run C's TensorBoard run (a resumed run) holds a loss point per logged iteration, the scalars,
   the per-rank histograms and the load heatmap;
 * ``gpu-tests`` / ``fla-test`` - ``pytest -m gpu`` over the suite without / with only fla's comparison test (fla
@@ -69,6 +73,7 @@ JUDGED_UPDATES = 2  # iterations after a resume's first that are judged; later o
 BALANCER_ITERS, BALANCER_LOG_INTERVAL = 30, 5
 CAPACITY = ("--moe-expert-capacity-factor", "1.25")  # as issue 29 measured them
 BALANCER_FLAGS = {"aux_loss": ("--moe-aux-loss-coeff", "1e-2"), **{b: CAPACITY for b in CAPACITY_BALANCERS}}
+GRAPH_ITERS = 20
 EP2_TOLERANCE = 2e-2  # relative: bf16 sums in another order over 10 steps
 
 
@@ -174,6 +179,21 @@ def step_balancer(balancer: str, job: Job) -> dict:
             "iterations": BALANCER_ITERS, **timing(run)[0]}
 
 
+def step_step_graph(job: Job) -> dict:
+    runs = {}
+    for name, flags in (("E", ()), ("G", ("--cuda-graph-step",))):
+        runs[name] = train(job, f"graph-{name}", *flags, "--train-iters", str(GRAPH_ITERS), "--log-interval", "1",
+                           "--save", "")
+        if runs[name]["rc"] != 0 or len(runs[name]["records"]) != GRAPH_ITERS:
+            return {"passed": False, "why": f"run {name} failed", "tail": runs[name]["tail"]}
+    eager, graph = runs["E"]["records"], runs["G"]["records"]
+    speed = {name: statistics.median(r["tokens_per_sec"] for i, r in run["records"].items() if i > GRAPH_ITERS // 2)
+             for name, run in runs.items()}
+    return {**judge_losses(eager, graph, list(range(2, GRAPH_ITERS + 1)), FIRST_TOLERANCE),
+            "tokens_per_sec_eager": speed["E"], "tokens_per_sec_graph": speed["G"],
+            "graph_vs_eager": speed["G"] / speed["E"], "timing": dict(zip("EG", timing(runs["E"], runs["G"])))}
+
+
 def step_tensorboard(job: Job) -> dict:
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
@@ -238,6 +258,7 @@ STEPS = {
     "ep2": step_ep2,
     "sigterm": step_sigterm,  # after ep2: it removes B's checkpoint
     **{f"balancer-{b}": functools.partial(step_balancer, b) for b in BALANCERS},
+    "step-graph": step_step_graph,
     "tensorboard": step_tensorboard,
     # 371 s alone on the H200; the limit leaves room for a call that shares the GPU with another job
     "gpu-tests": lambda job: pytest_step("tests", "--deselect", FLA_TEST, timeout=570),
