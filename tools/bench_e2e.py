@@ -74,13 +74,16 @@ Fields of a row (JSON; the printed table shows the starred ones):
   (``megatron_ext/moe/metrics.py``, ``moe/dropped`` / ``moe/rerouted``): the routers' step sums are reset after
   the warm-up and accumulate over the timed steps (the benchmark does not reset them per step as training does),
   then are read once after timing, so no host read or collective enters the timed steps;
-* ``error``: why a row failed (its measured fields are null); ``scaling_efficiency`` on multi-GPU rows.
+* ``error``: why a row failed (its measured fields are null); after a failure that left the CUDA context unusable
+  (a broken graph capture, a device fault: a small kernel is tried after every failed row) the later rows are
+  not run and say so (``not run: the CUDA context failed after row ...``); ``cleanup_error`` where freeing a row's
+  memory failed; ``scaling_efficiency`` on multi-GPU rows.
 
 Model FLOPs per token come from ``megatron_ext/flops.py`` for every row (the stock rows are counted
 with ``ours_base``'s config: same layers, same formula); docs/e2e.md writes the formula out.
 Each variant builds its model after a fresh Megatron parallel state and frees everything after
 (model, optimizer, parallel state, CUDA cache) so each peak is its own; a failing variant is
-recorded with its error and the others still run.
+recorded with its error and the others still run (unless the CUDA context is gone: see ``error``).
 
     python tools/bench_e2e.py                                  # one GPU -> docs/bench/e2e-h200.json
     torchrun --nproc-per-node 2 tools/bench_e2e.py             # EP2 rows (gpus: 2), merged into it
@@ -172,12 +175,9 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
     from megatron.core import parallel_state as ps
 
     world = dist.get_world_size()
-    seq, micro_batch = variant_shape(name, args.sizes)
-    base = split_variant(name)[0]
-    stock = base in STOCK_ATTENTION
-    row = {"name": name, "gpus": world, "seq": seq, "micro_batch": micro_batch}
-    if stock:
-        row["attention"] = STOCK_ATTENTION[base]
+    row = row_head(name, args)
+    seq, micro_batch = row["seq"], row["micro_batch"]
+    stock = "attention" in row
     try:
         bench_common.init_expert_parallel(seed=1234)
         setup = variant_setup(name, args, cuda)
@@ -198,8 +198,34 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
 
         get_moe_metrics_tracker().clear()  # Megatron's global per-layer aux-loss values
         ps.destroy_model_parallel()
-        bench_common.free_device_memory(torch.device("cuda") if cuda else torch.device("cpu"))
+        try:  # after a CUDA error the synchronize in here raises too: the row says so, the JSON still comes
+            bench_common.free_device_memory(torch.device("cuda") if cuda else torch.device("cpu"))
+        except Exception as exc:
+            row["cleanup_error"] = f"{type(exc).__name__}: {exc}"[:400]
     return row
+
+
+def row_head(name: str, args) -> dict:
+    """A row's name, GPU count and shape (and a stock row's core attention)."""
+    seq, micro_batch = variant_shape(name, args.sizes)
+    base = split_variant(name)[0]
+    row = {"name": name, "gpus": dist.get_world_size(), "seq": seq, "micro_batch": micro_batch}
+    if base in STOCK_ATTENTION:
+        row["attention"] = STOCK_ATTENTION[base]
+    return row
+
+
+def cuda_context_error() -> str | None:
+    """After a failed row: None when the GPU still runs a kernel, else why not. A failed CUDA graph capture or a
+    device-side fault can leave the context unusable, and every later row would then fail for that reason."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        torch.cuda.synchronize()
+        (torch.ones(1, device="cuda") + 1).cpu()
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
 
 
 MEASURED_KEYS = ("step_ms", "optimizer_ms", "tokens_per_sec", "tflops", "mfu", "mfu_datasheet", "peak_gb")
@@ -273,10 +299,16 @@ def run(args, log=print) -> dict | None:
             path.write_text(table)
             log(table + f"\n> wrote {path}")
         return None
-    runs = []
+    runs, broken = [], None
     for round_ in range(args.repeat):
         for name in args.variants:
-            runs.append(run_variant(name, args, cuda))
+            if broken:  # not run: recorded as such rather than as this row's own failure
+                runs.append({**row_head(name, args), **{key: None for key in MEASURED_KEYS}, "error": broken})
+            else:
+                runs.append(run_variant(name, args, cuda))
+                context_error = cuda_context_error() if runs[-1].get("error") else None
+                if context_error:
+                    broken = f"not run: the CUDA context failed after row {name} ({context_error})"
             if args.repeat > 1:
                 runs[-1]["round"] = round_
             if rank == 0:

@@ -320,3 +320,44 @@ def test_merge_takes_each_rows_median_over_the_calls_of_one_commit(tmp_path):
     paths[0].write_text(json.dumps(dict(one_round[0], commit="def")))
     with pytest.raises(SystemExit, match="def"):
         main(["merge", *map(str, paths), "--commit", "abc", "--out", str(out)])
+
+
+_CONTEXT_FAILURE_DRIVER = """
+import sys
+import tools.bench_e2e as bench
+
+probes = []
+
+def run_variant(name, args, cuda, profiler=None):  # ours_full's capture fails; the others time fine
+    failed = name.startswith("ours_full")
+    return {**bench.row_head(name, args), **{key: None if failed else 1.0 for key in bench.MEASURED_KEYS},
+            **({"error": "capture failed"} if failed else {})}
+
+def cuda_context_error():
+    probes.append(1)
+    return "AcceleratorError: an illegal memory access was encountered" if sys.argv[1] == "broken" else None
+
+bench.run_variant, bench.cuda_context_error = run_variant, cuda_context_error
+bench.main(["--smoke", "--variants", "ours_base,ours_full,stock", "--repeat", "2", "--out", sys.argv[2]])
+print("probes", len(probes))
+"""
+
+
+@pytest.mark.parametrize("context", ["broken", "usable"])
+def test_rows_after_a_failed_cuda_context_are_recorded_as_not_run(tmp_path, context):
+    out = tmp_path / "e2e.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _CONTEXT_FAILURE_DRIVER, context, str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    errors = [(r["name"], r.get("error")) for r in runs]
+    if context == "broken":  # probed once, after ours_full; stock and round 2 not run, and say why
+        assert "probes 1" in proc.stdout
+        assert errors[:2] == [("ours_base", None), ("ours_full", "capture failed")]
+        assert all(e.startswith("not run: the CUDA context failed after row ours_full (AcceleratorError")
+                   for _, e in errors[2:]) and [n for n, _ in errors[2:]] == ["stock", "ours_base", "ours_full", "stock"]
+        assert all(r["step_ms"] is None for r in runs[2:])
+    else:  # a row's own failure: the next rows run
+        assert "probes 2" in proc.stdout
+        assert errors == [("ours_base", None), ("ours_full", "capture failed"), ("stock", None)] * 2
