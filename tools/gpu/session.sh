@@ -2,7 +2,7 @@
 # One device-machine call that checks and times everything (see docs/benchmarks.md).
 # Usage on the GPU machine, from the repo root, with the cp312 wheels in .whl/:
 #   bash tools/gpu/session.sh [steps]      steps: comma list of tests,train,attnres,attnres-ab,attnres-config,moe,routing,skew,kda,
-#                                          e2e,e2e-ab,e2e2,profile (and moe2, rmsnorm)
+#                                          e2e,e2e-ab,e2e2,profile (and moe2, rmsnorm, checksums)
 # Each step has its own time limit, logs to $OUT/session.log and writes its JSON under $OUT.
 # Independent steps can share one call on a two-GPU machine, one track per GPU:
 #   bash tools/gpu/session.sh install
@@ -53,6 +53,8 @@ step skew ${SKEW_LIMIT:-480} bash -c "rm -rf $SKEW_DIR && python3 -m torch.distr
   && python3 tools/dev/bench_routing.py --scores $SKEW_DIR/scores.pt --out $OUT/routing-skew-h200.json \
   && python3 tools/bench_moe.py --scores $SKEW_DIR/scores.pt --out $OUT/moe-skew-h200.json"
 step rmsnorm 60 python3 tools/dev/bench_rms_norm.py --out "$OUT/rms-norm-h200.json"
+# checkpoint checksums per file vs per block on this host's cores (8 GB in /dev/shm, host-side only)
+step checksums 120 python3 tools/dev/bench_checksums.py --gb 8 --out "$OUT/checksums-h200.json"
 # fla autotunes for minutes per shape (238 s at B4 T8192 H32). Its choices are Triton cache_results files: set
 # TRITON_CACHE_DIR to a carried folder (e.g. .ab/tcache) and pack its *.autotune.json into $OUT to reuse them
 # in a later call (they hold configs, not timings; see docs/benchmarks.md, KDA kernels).
