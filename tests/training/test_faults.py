@@ -6,6 +6,7 @@ iteration once after a resume (``losses_of`` checks it).
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,9 +62,11 @@ def test_a_nonfinite_step_is_not_applied_and_the_run_stops_before_saving_it(tmp_
                      "--max-skipped-nonfinite-steps", "2")
     out = _output(result)
     assert result.returncode != 0, out[-4000:]
-    skipped = [line for line in result.stdout.splitlines() if "the update was not applied" in line]
-    assert [line.split(":")[0] for line in skipped] == ["> iteration 3", "> iteration 4"], out[-4000:]
-    losses = [float(line.split("lm loss ")[1].split(",")[0]) for line in skipped]
+    # Searched in the whole output, not line by line: the two ranks share stdout, and an unbuffered print writes
+    # its text and its newline apart, so the other rank's log line can end up in front of this message.
+    skipped = re.findall(r"> iteration (\d+): lm loss ([^,]+),[^\n]*?the update was not applied", result.stdout)
+    assert [int(iteration) for iteration, _ in skipped] == [3, 4], out[-4000:]
+    losses = [float(loss) for _, loss in skipped]
     assert all(loss > 1e3 or not np.isfinite(loss) for loss in losses), skipped
     assert "error: iteration 5: lm loss" in result.stderr, out[-4000:]
     assert "stopping after 3 skipped step(s) (max_skipped_nonfinite_steps 2)" in result.stderr, out[-4000:]
