@@ -91,8 +91,9 @@ def write_manifest(checkpoint_dir: str, block_bytes: int = BLOCK_BYTES) -> None:
     crcs = _checksums([(os.path.join(checkpoint_dir, n), offset, length) for n, offset, length in mine])
     found = dict(_gathered([((n, offset), crc) for (n, offset, _), crc in zip(mine, crcs)]))
     if rank == 0:
-        files = {n: {"size": sizes[n], "crc32": [found[n, offset] for offset, _ in _blocks(sizes[n], block_bytes)]}
-                 for n in names}
+        files = {n: {"size": sizes[n], "crc32": []} for n in names}
+        for n, offset, _ in units:  # each file's blocks in order
+            files[n]["crc32"].append(found[n, offset])
         with open(os.path.join(checkpoint_dir, MANIFEST_FILE), "w") as f:
             json.dump({"algorithm": "crc32", "block_bytes": block_bytes, "files": files}, f, indent=1)
 
