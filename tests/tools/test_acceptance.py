@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from tools.gpu import acceptance
+from tools.gpu import acceptance, acceptance_runs
 
 ITERS = acceptance.RESUME_ITERS
 
@@ -81,7 +81,6 @@ def test_steps_are_checked_and_groups_expand_before_anything_runs():
 
 def test_checkpoints_stay_in_the_tmpfs_folder_an_earlier_call_left(tmp_path, monkeypatch):
     """sigterm in a later call finds resume's checkpoint although that checkpoint leaves the tmpfs short of room."""
-    from tools.gpu import acceptance_runs
 
     tmpfs, work = tmp_path / "shm", tmp_path / "work"
     tmpfs.mkdir()
@@ -121,3 +120,11 @@ def test_step_graph_judges_the_graphed_run_against_the_eager_one(tmp_path, monke
     assert result["graph_vs_eager"] == pytest.approx(1.25)
     off = 2e-2  # the first replay off by more than bf16 noise
     assert not acceptance.step_step_graph(job)["passed"]
+
+
+@pytest.mark.parametrize("name", ["RESUME_ITERS", "BALANCER_ITERS", "GRAPH_ITERS"])
+def test_every_run_trains_past_the_shared_warm_up(name):
+    """launch/train.py refuses a warm-up as long as the run: each step's --train-iters must exceed COMMON's."""
+    common = acceptance_runs.COMMON
+    warm_up = int(common[common.index("--lr-warmup-iters") + 1])
+    assert getattr(acceptance, name) > warm_up
