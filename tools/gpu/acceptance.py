@@ -21,8 +21,8 @@ Steps (``--steps``, comma-separated; each has its own time limit and records ``n
   machine is still held (its run C and checkpoint stay on disk; ``resume`` alone can take 330 s of a call's 600);
 * ``balancers`` (one step ``balancer-<name>`` each) - each balancer trains BALANCER_ITERS iterations of ``configs/h200.yaml``: tokens/s (median of
   the logged windows after the first), MaxVio, dropped and rerouted pairs;
-* ``step-graph`` - ``configs/h200.yaml`` trained GRAPH_ITERS iterations eager (run E) and with ``--cuda-graph-step``
-  (run G: two eager steps, then one graph replayed): G's losses against E's by the resume rule (iteration 2, the
+* ``step-graph`` - ``configs/h200.yaml`` trained GRAPH_ITERS iterations eager (run E, ``--no-cuda-graph-step``) and
+  with ``--cuda-graph-step`` (run G, the config's own setting: two eager steps, then one graph replayed): G's losses against E's by the resume rule (iteration 2, the
   last eager one, within FIRST_TOLERANCE; the first replays within TOLERANCE) and both runs' tokens/s (median of
   the iterations of the second half): what ``cuda_graph_step`` gives the shipped config;
 * ``tensorboard`` - run C's TensorBoard run (a resumed run) holds a loss point per logged iteration, the scalars,
@@ -181,7 +181,7 @@ def step_balancer(balancer: str, job: Job) -> dict:
 
 def step_step_graph(job: Job) -> dict:
     runs = {}
-    for name, flags in (("E", ()), ("G", ("--cuda-graph-step",))):
+    for name, flags in (("E", ("--no-cuda-graph-step",)), ("G", ("--cuda-graph-step",))):
         runs[name] = train(job, f"graph-{name}", *flags, "--train-iters", str(GRAPH_ITERS), "--log-interval", "1",
                            "--save", "")
         if runs[name]["rc"] != 0 or len(runs[name]["records"]) != GRAPH_ITERS:
