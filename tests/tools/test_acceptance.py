@@ -129,3 +129,40 @@ def test_every_run_trains_past_the_shared_warm_up(name):
     common = acceptance_runs.COMMON
     warm_up = int(common[common.index("--lr-warmup-iters") + 1])
     assert getattr(acceptance, name) > warm_up
+
+
+def _sigterm_job(tmp_path, monkeypatch, t2_losses):
+    """A made-up sigterm step: C ran from B's checkpoint at 10; T stops at 19; T2 logs ``t2_losses``."""
+    job = acceptance.Job(work=tmp_path, checkpoints=tmp_path / "ckpt")
+    reference = _losses(0.3)
+    (tmp_path / "C").mkdir(parents=True)
+    (tmp_path / "C" / "metrics.jsonl").write_text("".join(
+        json.dumps({"iteration": i, **r}) + "\n" for i, r in reference.items() if i > 10))
+    (job.checkpoints / "B").mkdir(parents=True)
+    (job.checkpoints / "B" / "latest_checkpointed_iteration.txt").write_text("10")
+
+    def fake_train(job, name, *flags, **kwargs):
+        if name == "T":
+            (job.checkpoints / "T").mkdir(parents=True)
+            (job.checkpoints / "T" / "latest_checkpointed_iteration.txt").write_text("19")
+            recs = {i: reference[i] for i in range(11, 20)}
+        else:
+            recs = t2_losses
+        return {"rc": 0, "records": recs, "tail": "", "seconds": 1.0, "first_logged_s": 0.5, "last_logged_s": 0.9,
+                "signal_to_exit_s": 3.0}
+
+    monkeypatch.setattr(acceptance, "train", fake_train)
+    return acceptance.step_sigterm(job)
+
+
+def test_sigterm_judges_the_signalled_run_and_that_the_resumed_one_goes_on(tmp_path, monkeypatch):
+    """T2 continues T, which has drifted from C by then: its distance to C is recorded, not judged; an iteration
+    missing after the resume or a non-finite loss fails the step."""
+    drifted = {i: r for i, r in _scaled(_losses(0.3), 1.08).items() if i >= 20}
+    result = _sigterm_job(tmp_path / "a", monkeypatch, drifted)
+    assert result["passed"] and result["saved_at_iteration"] == 19
+    assert result["after_resume"]["max_rel_diff_to_C"] == pytest.approx(0.08)
+    gap = {i: r for i, r in drifted.items() if i != 21}
+    assert not _sigterm_job(tmp_path / "b", monkeypatch, gap)["passed"]
+    nonfinite = {**drifted, 25: {"lm_loss": float("nan")}}
+    assert not _sigterm_job(tmp_path / "c", monkeypatch, nonfinite)["passed"]
