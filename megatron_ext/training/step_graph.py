@@ -43,7 +43,7 @@ def check_step_graph(enabled: bool, model_cfg, world_size: int, cuda: bool) -> N
         raise ConfigError("cuda_graph_step: true needs a CUDA GPU (CUDA graphs); this machine has none")
     if world_size != 1:
         raise ConfigError(f"cuda_graph_step: true runs on one process (world size 1), got world size {world_size}: "
-                          "the step's collectives are not captured yet")
+                          "the step's collectives are not captured yet (--no-cuda-graph-step turns it off)")
     if getattr(model_cfg, "num_moe_experts", None) and not getattr(model_cfg, "bf16", False):
         raise ConfigError("cuda_graph_step: true needs bf16 with MoE layers (--bf16): the experts' grouped GEMM "
                           "takes bf16 on CUDA, and the fp32/fp16 per-expert loop reads token counts on the host, "
