@@ -28,8 +28,8 @@ def _launch(**choices) -> MappingProxyType:
 
 # Launch tables (V tile BV, num_warps, num_stages), fixed here. 4 warps everywhere but the output kernel: a
 # one-knob sweep on the H200 (docs/bench/kda-sweep-h200.json, B4 T8192 H32 D128) measured each 4-warp table
-# faster than the 8-warp one it replaced although ptxas reports spills for intra_fwd and the state walks at 4 warps
-# (tests/kernels/test_kda_compile.py holds those spills to the measured tables).
+# faster than the 8-warp one it replaced although ptxas reports spills for the forward state walk's wider tiles at
+# 4 warps (tests/kernels/test_kda_compile.py holds those spills to the measured tables).
 INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4)
 # The state walks: one program per (V tile, sequence, head), each walks its sequence's chunks in order, one
 # chunk step after another (latency-bound). The narrowest tile that still fits the programs in one wave on the

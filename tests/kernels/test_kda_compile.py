@@ -1,7 +1,9 @@
 """The KDA kernels compile for Hopper (sm_90) without a GPU and use no local memory for spills at D = 128.
 
 Each kernel is compiled (triton frontend to cubin, bundled ptxas) with the constexprs and launch config
-chunk.py uses for bf16 inputs, K = V = 128; ptxas -v reports registers and spill bytes.
+chunk.py uses for bf16 inputs, K = V = 128, and its tensor pointers specialized as 16-byte aligned, as the
+launcher does for torch's allocations (without that, ptxas sees other code: intra_fwd compiled to 255 registers
+and 1.3 KB of spills instead of the 247 registers and none that run); ptxas -v reports registers and spill bytes.
 """
 
 import os
@@ -67,8 +69,7 @@ def kernel_cases():
 # Spill bytes tolerated per kernel: the 4-warp configs below were measured faster on the H200 than 8-warp
 # ones without spills (tools/sweep_kda_kernels.py); the bounds sit ~20% above what ptxas reports for them
 # (Triton 3.8) so that a change that spills more fails here.
-SPILL_ALLOWANCE: dict[str, int] = {"intra_fwd": 1580, "state_fwd_bv32": 240, "state_fwd_bv64": 1340,
-                                   "state_bwd_bv32": 200, "state_bwd_bv64": 600, "inter_bwd": 80}
+SPILL_ALLOWANCE: dict[str, int] = {"state_fwd_bv32": 180, "state_fwd_bv64": 640}
 
 NAMES = ["gate_cumsum", "intra_fwd", "walk_operands", "state_fwd_bv16", "state_fwd_bv32", "state_fwd_bv64", "output",
          "state_bwd_bv16", "state_bwd_bv32", "state_bwd_bv64", "inter_bwd", "intra_bwd_dv", "intra_bwd_dqk",
@@ -81,8 +82,10 @@ def test_kda_kernel_compiles_for_hopper_without_spills(name):
 
     kernel, constexprs, config = kernel_cases()[name]
     constexprs = {**constexprs, **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
-    compiled = compile_for(kernel, signature(kernel, constexprs), constexprs, num_warps=config.get("num_warps", 4),
-                           num_stages=config.get("num_stages", 3))
+    sig = signature(kernel, constexprs)
+    pointers = tuple(name for name, kind in sig.items() if kind.startswith("*"))
+    compiled = compile_for(kernel, sig, constexprs, num_warps=config.get("num_warps", 4),
+                           num_stages=config.get("num_stages", 3), aligned=pointers)
     used = resources(compiled)
     assert "cubin" in compiled.asm
     allowed = SPILL_ALLOWANCE.get(name, 0)
