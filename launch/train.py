@@ -162,7 +162,7 @@ def main(argv=None) -> None:
         wd_incr_steps=train.train_iters,
         wd_incr_style="constant",
     )
-    step_graph = (StepGraph(chunks, train.seq_length, train.micro_batch_size, stream=graph_stream)
+    step_graph = (StepGraph(chunks, train.seq_length, train.micro_batch_size, stream=graph_stream, log=log0)
                   if train.cuda_graph_step else None)
     guard = NonFiniteGuard(optimizer, loss_group=ps.get_pipeline_model_parallel_group(),
                            enabled=train.check_for_nan_in_loss_and_grad,

@@ -26,6 +26,8 @@ capture is under way, so their kernels land in this graph.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from megatron_ext.errors import ConfigError
@@ -88,7 +90,7 @@ class StepGraph:
     capture fails."""
 
     def __init__(self, chunks: list, seq_length: int, micro_batch_size: int, warmup: int = 2,
-                 graph_type=CudaStepGraph, stream=None):
+                 graph_type=CudaStepGraph, stream=None, log=None):
         if warmup < 1:
             raise ValueError(f"warmup must be >= 1 (an eager step fills the caches capture needs), got {warmup}")
         self.chunks, self.seq_length, self.micro_batch_size = chunks, seq_length, micro_batch_size
@@ -101,6 +103,7 @@ class StepGraph:
         self.graph = None
         self.loss: torch.Tensor | None = None  # the graph's output
         self.steps = 0
+        self.log = log or (lambda message: None)
 
     def __call__(self, microbatches: list[dict]) -> torch.Tensor:
         self._load(microbatches)
@@ -108,8 +111,12 @@ class StepGraph:
         if self.steps <= self.warmup:
             return self._on_side_stream(self._forward_backward)
         if self.graph is None:
+            start = time.perf_counter()
             self.graph = self.graph_type(self.stream)
             self.loss = self.graph.capture(self._forward_backward)
+            # the first steps ran eagerly and this one waited for the capture: say why the step time drops now
+            self.log(f"> step graph: forward and backward of {len(microbatches)} microbatch(es) captured at step "
+                     f"{self.steps} in {time.perf_counter() - start:.1f} s; replayed from here on")
         self.graph.replay()
         return self.loss.clone()  # the next replay rewrites self.loss
 

@@ -57,7 +57,8 @@ def _graphed_steps_equal_eager(rank, world, steps):
         return float(loss), {key: grad.clone() for key, _, _, grad in collect_grads(chunks)}
 
     eager = [one_step(lambda b: forward_backward(chunks, b, SEQ, MICRO_BATCH, read_loss=False), b) for b in batches]
-    step = StepGraph(chunks, SEQ, MICRO_BATCH, warmup=2, graph_type=ReplayingGraph)
+    messages = []
+    step = StepGraph(chunks, SEQ, MICRO_BATCH, warmup=2, graph_type=ReplayingGraph, log=messages.append)
     graphed, buffers = [], None
     for batch in batches:
         graphed.append(one_step(step, batch))
@@ -65,6 +66,9 @@ def _graphed_steps_equal_eager(rank, world, steps):
         assert buffers in (None, pointers)  # the graph's inputs stay where they were captured
         buffers = pointers
     assert step.graph is not None and step.steps == steps
+    # one line, at the capture (the third step: two eager ones first)
+    assert len(messages) == 1 and messages[0].startswith("> step graph: forward and backward of "), messages
+    assert "microbatch(es) captured at step 3 in " in messages[0], messages
     return eager, graphed
 
 
