@@ -1,5 +1,6 @@
-"""Correctness patches to Megatron-Core 0.19.2's optimizer checkpoints (the third and last patch module, beside
-``megatron_ext/cpu_compat.py`` and ``megatron_ext/speed_patches.py``).
+"""Correctness patches to Megatron-Core 0.19.2's checkpoints (the third and last patch module, beside
+``megatron_ext/cpu_compat.py`` and ``megatron_ext/speed_patches.py``): the optimizer's sharded state and, last,
+the writer's results queue (:func:`keep_write_results_in_process`).
 
 ``Float16OptimizerWithFloat16Params.sharded_state_dict`` (Megatron's mixed-precision optimizer without the
 distributed optimizer) matches the inner optimizer's parameters to the model's sharded tensors by position: it
@@ -38,6 +39,7 @@ path, fixed per instance by the same function:
 from __future__ import annotations
 
 import functools
+import queue
 import types
 
 import torch
@@ -162,3 +164,20 @@ def _sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False
     if step:
         state_dict["optimizer"]["state"]["common_step"] = step
     return state_dict
+
+
+def keep_write_results_in_process() -> None:
+    """Give Megatron's checkpoint writer an in-process results queue before the first save.
+
+    ``filesystem_async.get_write_results_queue`` makes it, once per process, as a ``multiprocessing`` Manager queue
+    in the spawn context: the first save starts a server process per rank that imports the training script again
+    (~770 MB of host memory each) and that nothing stops when the rank dies by a signal. A SIGKILLed rank (a
+    node's OOM killer, a failed GPU, torchrun tearing down the others) leaves it behind, one more at every restart
+    (found as orphans of ``tests/training/test_faults.py``'s killed-rank test). Our saves are synchronous: the
+    writer threads and the reader of their results run in the saving process (``AsyncRequest.execute_sync``), so a
+    ``queue.Queue`` carries the same results and no process is started. An async save (a writer in another
+    process) would need the Manager's queue; we have none."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()

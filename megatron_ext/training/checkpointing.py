@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext import checkpoint_fixes
 from megatron_ext.training.checkpoint_integrity import damaged_files, write_manifest
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -187,6 +188,7 @@ def save_checkpoint(
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     _require_process_group("save_checkpoint")
+    checkpoint_fixes.keep_write_results_in_process()  # no Manager process per rank (see there)
     if not torch.cuda.is_available():
         # dist_checkpointing's writer calls torch.cuda.synchronize() after its device-to-host
         # copies (filesystem_async.preload_tensors); cpu_compat makes that a no-op on the CPU.

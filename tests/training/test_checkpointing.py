@@ -102,6 +102,19 @@ def test_save_on_two_ranks_load_on_one_and_two(tmp_path):
     assert draws1[0] != saved[0][1][0]  # world size changed: RNG not restored
 
 
+def _save_and_list_children(rank, world, save_dir):
+    import multiprocessing
+
+    _save_worker(rank, world, save_dir, 3, 1)
+    return [child.name for child in multiprocessing.active_children()]
+
+
+def test_a_save_starts_no_process(tmp_path):
+    """Megatron's writer would start a Manager server process per rank at the first save, which outlives a rank
+    killed by a signal (megatron_ext.checkpoint_fixes.keep_write_results_in_process)."""
+    assert run_distributed(_save_and_list_children, 2, str(tmp_path / "ckpt")) == [[], []]
+
+
 def _crash_during_save(save_dir, port):
     """Save iteration 1, then die (SIGKILL) after iteration 2's shards are written, before the rename."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
