@@ -135,8 +135,8 @@ def _train(tmp: Path, *flags: str) -> list[float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
            str(ROOT / "launch" / "train.py"), "--config", str(ROOT / "configs" / "tiny.yaml"),
            "--expert-model-parallel-size", "1", "--train-iters", "8", "--lr-warmup-iters", "2", "--log-interval", "1",
-           "--eval-iters", "1", "--eval-interval", "4", "--save", "", "--tensorboard-dir", "", "--metrics-dir", str(tmp),
-           "--moe-balancer", "qb_both", "--moe-expert-capacity-factor", "1.25", *flags]
+           "--eval-iters", "1", "--eval-interval", "4", "--save", "", "--tensorboard-dir", "",
+           "--metrics-dir", str(tmp), "--moe-balancer", "qb_both", "--moe-expert-capacity-factor", "1.25", *flags]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=dict(os.environ))
     assert result.returncode == 0, result.stderr[-6000:]
     records = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]

@@ -19,15 +19,17 @@ Steps (``--steps``, comma-separated; each has its own time limit and records ``n
   finite losses. T against run C (the same checkpoint, uninterrupted): its first iteration within FIRST_TOLERANCE
   and its next JUDGED_UPDATES within TOLERANCE. T2 against C is recorded, not judged: T stands ~8 iterations past
   C's checkpoint by then, where the two runs' drift is no longer bf16 rounding (4% at iteration 18 at 34880a5,
-  T2 8.3% off C at its first iteration); that a signal's save resumes bit for bit is tests/training/test_faults.py's
-  (CPU, deterministic). Needs ``resume`` run before it on this machine: in the same call, or in an earlier call while the
-  machine is still held (its run C and checkpoint stay on disk; ``resume`` alone can take 330 s of a call's 600);
+  T2 8.3% off C at its first iteration); that a signal's save resumes bit for bit is
+  tests/training/test_faults.py's (CPU, deterministic). Needs ``resume`` run before it on this machine: in the same
+  call, or in an earlier call while the machine is still held (its run C and checkpoint stay on disk; ``resume``
+  alone can take 330 s of a call's 600);
 * ``balancers`` (one step ``balancer-<name>`` each) - each balancer trains BALANCER_ITERS iterations of ``configs/h200.yaml``: tokens/s (median of
   the logged windows after the first), MaxVio, dropped and rerouted pairs;
 * ``step-graph`` - ``configs/h200.yaml`` trained GRAPH_ITERS iterations eager (run E, ``--no-cuda-graph-step``) and
-  with ``--cuda-graph-step`` (run G, the config's own setting: two eager steps, then one graph replayed): G's losses against E's by the resume rule (iteration 2, the
-  last eager one, within FIRST_TOLERANCE; the first replays within TOLERANCE) and both runs' tokens/s (median of
-  the iterations of the second half): what ``cuda_graph_step`` gives the shipped config;
+  with ``--cuda-graph-step`` (run G, the config's own setting: two eager steps, then one graph replayed): G's
+  losses against E's by the resume rule (iteration 2, the last eager one, within FIRST_TOLERANCE; the first
+  replays within TOLERANCE) and both runs' tokens/s (median of the iterations of the second half): what
+  ``cuda_graph_step`` gives the shipped config;
 * ``tensorboard`` - run C's TensorBoard run (a resumed run) holds a loss point per logged iteration, the scalars,
   the per-rank histograms and the load heatmap;
 * ``gpu-tests`` / ``fla-test`` - ``pytest -m gpu`` over the suite without / with only fla's comparison test (fla
@@ -157,8 +159,9 @@ def step_sigterm(job: Job) -> dict:
     before = judge_losses(reference, t["records"], list(range(resumed_from + 1, saved + 1)), FIRST_TOLERANCE)
     continued = sorted(r["records"]) == list(range(saved + 1, RESUME_ITERS + 1)) and all(
         math.isfinite(rec["lm_loss"]) for rec in r["records"].values())
-    after = {"continued_to_the_end": continued, "max_rel_diff_to_C": max_rel_diff(reference, r["records"], [
-        i for i in r["records"] if i in reference]) if r["records"] else None}
+    shared = [i for i in r["records"] if i in reference]
+    after = {"continued_to_the_end": continued,
+             "max_rel_diff_to_C": max_rel_diff(reference, r["records"], shared) if shared else None}
     return {"passed": before["passed"] and continued, "saved_at_iteration": saved,
             "before_signal": before, "after_resume": after, "signal_to_exit_s": t["signal_to_exit_s"],
             "timing": dict(zip(("T", "T2"), timing(t, r)))}
