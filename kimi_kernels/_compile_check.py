@@ -60,3 +60,13 @@ def resources(compiled, capability=90) -> Resources:
     num = lambda pattern: int(re.search(pattern, out).group(1)) if re.search(pattern, out) else 0  # noqa: E731
     return Resources(registers=num(r"Used (\d+) registers"), spill_stores=num(r"(\d+) bytes spill stores"),
                      spill_loads=num(r"(\d+) bytes spill loads"), shared=compiled.metadata.shared)
+
+
+def triton_release() -> tuple[int, int]:
+    """(major, minor) of the Triton doing the compiling. Register use and spills differ between releases: the
+    compile tests also run against the GPU machine's release (tests/kernels/test_device_triton.py), and a bound
+    that differs names the release it holds for."""
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)

@@ -80,16 +80,20 @@ def test_preload_backward_compiles_within_its_register_budget(norm_out, n, paire
     # the widest pair 44 since its row sums are reduced four sources at a time, 120 one at a time,
     # docs/bench/history/attn_res-notes.md); more means the tile or the kept scalars grew.
     import kimi_kernels.attn_res.fused as fused
+    from kimi_kernels._compile_check import triton_release
 
+    older_triton = triton_release() < (3, 8)
     # a pair's second call (subset): its output saved in fp32, its mix gradient handed on, its own pass capped as
     # the launcher caps it
     _, used, cfg = _compile_preload(
         n, maxnreg=fused.BACKWARD_LAUNCH.subset_maxnreg if subset else None, out_ptr="*fp32" if subset else "*bf16",
         ACCUMULATE=0 if subset else (1 << n) - 1, NORM_OUT=norm_out, OUT_NORM_GRAD=norm_out, SUBSET=subset,
         PAIRED=paired, HANDOFF=subset)
-    if subset:  # three programs per SM, without spills
-        assert used.registers <= 168 and used.spill_stores == 0, used
-    assert used.spill_stores <= 64 and used.spill_loads <= 64, (n, paired, used)
+    if subset:  # three programs per SM, without spills (Triton 3.6, the GPU machine's: 8 bytes with the norm)
+        assert used.registers <= 168 and used.spill_stores <= (8 if older_triton else 0), used
+    # Triton 3.6 spills 88 bytes at the widest pair with the norm (the H200 timings ran that code)
+    spill_limit = 96 if older_triton else 64
+    assert used.spill_stores <= spill_limit and used.spill_loads <= spill_limit, (n, paired, used)
     assert cfg.num_warps == 4 and used.registers <= 255, (cfg, used)
 
 
