@@ -1,6 +1,7 @@
 # Two entry points: `make train` (tiny CPU training job) and `make test` (the test suite).
 # Both create .venv with Python 3.12 when it is missing and install the package with its
-# test extras; the install is redone when pyproject.toml changes.
+# test extras; the install is redone when pyproject.toml changes. `make test` also puts the GPU machine's
+# Triton release beside it (below).
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -25,14 +26,20 @@ $(PY):
 	echo "creating $(VENV) with $$py"; \
 	"$$py" -m venv $(VENV)
 
-# The GPU machine's Triton (its torch 2.11 ships 3.6.0; PyPI's torch brings a newer one here): the compile tests
-# also run against it (tests/kernels/test_device_triton.py), since register use and spills differ by release.
-DEVICE_TRITON := 3.6.0
-DEVICE_TRITON_DIR := $(VENV)/device-triton
-
-$(STAMP): pyproject.toml Makefile | $(PY)
+$(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $@
+
+# The GPU machine's Triton (its torch 2.11 ships 3.6.0; PyPI's torch brings a newer one here), for `make test` only:
+# the compile tests also run against it (tests/kernels/test_device_triton.py), since register use and spills differ
+# by release.
+DEVICE_TRITON := 3.6.0
+DEVICE_TRITON_DIR := $(VENV)/device-triton
+# named by the release: changing DEVICE_TRITON reinstalls
+DEVICE_TRITON_STAMP := $(DEVICE_TRITON_DIR)/.installed-$(DEVICE_TRITON)
+
+$(DEVICE_TRITON_STAMP): | $(STAMP)
 	rm -rf $(DEVICE_TRITON_DIR)
 	$(PY) -m pip install --quiet --no-deps --target $(DEVICE_TRITON_DIR) 'triton==$(DEVICE_TRITON)'
 	@touch $@
@@ -42,7 +49,7 @@ install: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 launch/train.py --config configs/tiny.yaml $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(DEVICE_TRITON_STAMP)
 	KIMI_DEVICE_TRITON=$(abspath $(DEVICE_TRITON_DIR)) $(PY) -m pytest -q $(ARGS)
 
 clean:
