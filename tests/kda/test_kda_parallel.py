@@ -1,7 +1,6 @@
 """The KDA layer under tensor (and sequence) parallelism equals one rank (CPU, gloo, fp32); the
 hybrid model's layouts (KDA + MoE, TP/PP/EP/DP) are checked in tests/parallel/test_parity.py."""
 
-import pytest
 import torch
 
 from tests._dist import run_distributed

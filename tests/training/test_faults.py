@@ -155,8 +155,8 @@ def test_a_damaged_checkpoint_is_refused_for_the_previous_intact_one(tmp_path):
     none_left = run_job(1, *one_rank, "--train-iters", "5", "--load", str(ckpt))
     assert none_left.returncode != 0
     assert "error: no intact checkpoint to load" in none_left.stderr, _output(none_left)[-4000:]
-    assert f"iter_0000004/__0_0.distcp: missing" in none_left.stderr
-    assert f"iter_0000002/__0_0.distcp: 1000 bytes" in none_left.stderr
+    assert "iter_0000004/__0_0.distcp: missing" in none_left.stderr
+    assert "iter_0000002/__0_0.distcp: 1000 bytes" in none_left.stderr
 
 
 @pytest.mark.parametrize("changed,named", [
