@@ -13,7 +13,7 @@ the column side of its keys (rows from the block on) as [16, 64] x [64, BK] prod
 row. It writes dq, dk and the per-token dG (fp32). It is bound by load latency at 4 CTAs per SM: its loads come
 first in program order, the row tiles that the dot results need in their register layout fused into two loads
 (see the kernel), so a program waits on 3 dependent load round trips (sm_90 SASS) where the loop over later row
-blocks with a conversion after each tile load took ~16.
+blocks with a conversion after each tile load took ~17 (Triton 3.6; ~16 with 3.8).
 `gate_bwd_kernel` (per (K tile, chunk, head)) reverse-sums dG over the chunk into dg and
 takes it through the gate. The kernels write per-program partial sums (dbeta over K tiles, dA_log and
 ddt_bias over chunks) that the host adds up: deterministic, no atomics.
@@ -99,6 +99,8 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
     # Loads first. Triton converts a tile that meets the dot results in their register layout right after its
     # load (through shared memory, behind a CTA barrier), and every later load waits for it; so those row tiles
     # come last, as two loads (pq, pk, pG and G in fp32; q and k) split in registers after one conversion each.
+    # The dMqk / dL tiles become dot operands only at their dots (the tl.where there): Triton 3.6 otherwise
+    # moves all four operands into registers right after their loads (64 registers held through the rest).
     # sm_90 SASS: 3 dependent waits per program (the chunk bounds, the tiles, the fused row tiles).
     k_all = load_tile(k, t0, n, h, H, K, kc, BKT)
     g_all = load_tile(G, t0, n, h, H, K, kc, BKT)
@@ -107,11 +109,11 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
     g_r = load_col(G, t0, r0, h, H, K, kc, BKT)  # the row side's reference row (the block's first)
     g_l = load_col(G, t0, tl.minimum(r0 + 15, n - 1), h, H, K, kc, BKT)  # the column side's (its last)
     b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
-    d_m_i = to_dot(row_block(dM_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
-    d_l_i = to_dot(row_block(dL_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
+    d_m_i = row_block(dM_buf, t0, r0, n, H * 64, h * 64, t, 64)
+    d_l_i = row_block(dL_buf, t0, r0, n, H * 64, h * 64, t, 64)
     cols = (t0 + t)[None, :] * (H * 64) + h * 64 + rows[:, None]  # [s, t] -> dM[t, s], keys s of the block
-    d_m_c = to_dot(tl.load(dM_buf + cols, mask=row_ok[None, :], other=0.0), DOT_BF16)
-    d_l_c = to_dot(tl.load(dL_buf + cols, mask=row_ok[None, :], other=0.0), DOT_BF16)
+    d_m_c = tl.load(dM_buf + cols, mask=row_ok[None, :], other=0.0)
+    d_l_c = tl.load(dL_buf + cols, mask=row_ok[None, :], other=0.0)
     j2 = tl.arange(0, 2)
     ja, jb = j2[None, None, :, None], j2[None, None, None, :]
     p4 = tl.where(jb == 0, tl.where(ja == 0, pq, pk), tl.where(ja == 0, pG, G)) + offs[:, :, None, None]
@@ -140,10 +142,11 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
     kl = k_all * e_col
     x_q = q_all * e_t
     x_k = k_all * b_all[:, None] * e_t
-    r_q = dot_split(d_m_i, kl, False, DOT_BF16) * e_row
-    r_k = dot_split(d_l_i, kl, False, DOT_BF16) * e_row
-    col = dot_split(d_m_c, x_q, False, DOT_BF16)
-    col += dot_split(d_l_c, x_k, False, DOT_BF16)
+    # (the masks repeat the loads': see above)
+    r_q = dot_split(to_dot(tl.where(rok[:, None], d_m_i, 0.0), DOT_BF16), kl, False, DOT_BF16) * e_row
+    r_k = dot_split(to_dot(tl.where(rok[:, None], d_l_i, 0.0), DOT_BF16), kl, False, DOT_BF16) * e_row
+    col = dot_split(to_dot(tl.where(row_ok[None, :], d_m_c, 0.0), DOT_BF16), x_q, False, DOT_BF16)
+    col += dot_split(to_dot(tl.where(row_ok[None, :], d_l_c, 0.0), DOT_BF16), x_k, False, DOT_BF16)
     col *= e_s
     d_q += r_q
     d_k += b_i[:, None] * r_k + col

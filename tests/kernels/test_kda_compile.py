@@ -71,9 +71,10 @@ def kernel_cases():
 # Spill bytes tolerated per kernel: the 4-warp configs below were measured faster on the H200 than 8-warp
 # ones without spills (tools/sweep_kda_kernels.py); the bounds sit ~20% above what ptxas reports for them
 # (Triton 3.8) so that a change that spills more fails here.
-SPILL_ALLOWANCE: dict[str, int] = {"state_fwd_bv32": 180, "state_fwd_bv64": 640, "intra_bwd_dqk_per_position": 8}
-# Register caps a kernel must stay within: the dq/dk kernel is latency-bound, and 128 registers x 128 threads keep
-# four of its CTAs on an SM (its launch table pins maxnreg=128; the per-position path spills 4 bytes under it).
+# The dq/dk kernel is latency-bound: its launch table caps it at 128 registers (4 CTAs of 128 threads per SM)
+# at the price of a few spilled registers (Triton 3.8: 52 / 36 bytes; the GPU machine's 3.6: 16-20 / 48-52).
+SPILL_ALLOWANCE: dict[str, int] = {"state_fwd_bv32": 180, "state_fwd_bv64": 640, "intra_bwd_dqk": 64,
+                                   "intra_bwd_dqk_per_position": 64}
 MAX_REGISTERS: dict[str, int] = {"intra_bwd_dqk": 128, "intra_bwd_dqk_per_position": 128}
 
 NAMES = ["gate_cumsum", "intra_fwd", "walk_operands", "state_fwd_bv16", "state_fwd_bv32", "state_fwd_bv64", "output",
