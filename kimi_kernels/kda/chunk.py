@@ -43,7 +43,10 @@ OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
 GATE_CONFIG = _launch(RB=16, num_warps=4)
 DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=3)
 INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
-DQK_CONFIG = _launch(num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
+# one 16-row block of a chunk per program; latency-bound (intra_bwd.py): 128 registers keep 4 CTAs on an SM. ptxas
+# takes 168 uncapped with Triton 3.6 (the GPU machine's) and spills 16-20 bytes at 128; 52 with Triton 3.8
+# (tests/kernels/test_kda_compile.py)
+DQK_CONFIG = _launch(num_warps=4, num_stages=1, maxnreg=128)
 GATE_BWD_CONFIG = _launch(num_warps=4)
 BKT = 32  # K tile of the dq/dk/dg kernels (never 16: see _block_k)
 KS = 64  # K slice of the decayed products in intra_fwd_kernel

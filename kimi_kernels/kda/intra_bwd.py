@@ -7,10 +7,13 @@ gradients and dv. With u = Ainv (beta v - kb S) (kb = beta k exp(G)), dAinv = du
 one [64, 64] product Ainv^T du per V tile serves dv and dL, and neither S nor k is read.
 `intra_bwd_dqk_kernel` (one program per (16-row block x K tile, chunk, head)) is row-local in the chunk and
 column-local in K: it starts from the state terms of its rows (fp32 partials of dq, dk, dG written by
-inter_bwd_kernel), then adds dMqk / dL through the decayed products: the row side of its rows as
-[16, 64] x [64, BK] products, the column side of its keys from each later row block as [16, 16] x [16, BK]
-products, both around the first row of the row's block (the forward's factorisation), so each pair is
-computed once per side and nothing is masked away. It writes dq, dk and the per-token dG (fp32).
+inter_bwd_kernel), then adds dMqk / dL through the decayed products: the row side of its rows (keys up to the
+block's diagonal) as [16, 64] x [64, BK] products around the block's first row (the forward's factorisation),
+the column side of its keys (rows from the block on) as [16, 64] x [64, BK] products around the block's last
+row. It writes dq, dk and the per-token dG (fp32). It is bound by load latency at 4 CTAs per SM: its loads come
+first in program order, the row tiles that the dot results need in their register layout fused into two loads
+(see the kernel), so a program waits on 3 dependent load round trips (sm_90 SASS) where the loop over later row
+blocks with a conversion after each tile load took ~17 (Triton 3.6; ~16 with 3.8).
 `gate_bwd_kernel` (per (K tile, chunk, head)) reverse-sums dG over the chunk into dg and
 takes it through the gate. The kernels write per-program partial sums (dbeta over K tiles, dA_log and
 ddt_bias over chunks) that the host adds up: deterministic, no atomics.
@@ -20,7 +23,9 @@ adds X_ts to dG_t on the row side and -X_ts to dG_s on the column side). Both si
 decayed operands (q e^{G-r} on one side, k e^{r-G} on the other) to bf16 differently, so the pairs did not
 cancel and dg, dA_log, ddt_bias carried errors of the size of the cancelled terms. Now every fp32 operand
 that feeds dG (the decayed q / k tiles, Ainv^T du) goes through dot_split (bf16 hi + lo, ~16 bits), and
-dMqk / dL are rounded once (bf16 scratch) so both sides of a pair see the same value.
+dMqk / dL are rounded once (bf16 scratch) so both sides of a pair see the same value. Which reference row a
+side factors exp(G_t - G_s) around does not matter for that: the split keeps each side's terms to ~2^-16 of
+their size whatever the factors are, as long as none overflows or (for a product that matters) underflows.
 """
 
 import triton
@@ -66,6 +71,14 @@ def load_col(ptr, t0, col, h, H, D: tl.constexpr, kc, BKT: tl.constexpr):
 
 
 @triton.jit
+def exp_ftz(x):
+    """exp(x) through ex2.approx.ftz: results below fp32's normal range (x < -87.3) come out 0. tl.exp keeps them
+    as denormals at three more instructions per element (a range test and two scalings around ex2). Every factor
+    of the dq/dk kernel that can get that small multiplies another factor <= 1, so those products are < 2^-126."""
+    return tl.exp2(x * 1.4426950408889634)
+
+
+@triton.jit
 def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_buf, dbeta_parts, chunk_start,
                          chunk_len, scale, H, part_stride, K: tl.constexpr, BKT: tl.constexpr,
                          SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
@@ -75,7 +88,7 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
     kt, blk = pid // 4, pid % 4
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     r0 = blk * 16
-    if r0 >= n:  # the chunk is shorter than this block
+    if (r0 >= n) | (t0 < 0):  # the chunk is shorter than this block (t0 >= 0: both loads go out before the branch)
         return
     kc = kt * BKT
     s16, t, d = tl.arange(0, 16), tl.arange(0, 64), kc + tl.arange(0, BKT)
@@ -83,58 +96,62 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
     kmask, rok, row_ok = d < K, rows < n, t < n
     m16 = rok[:, None] & kmask[None, :]
     offs = (t0 + rows)[:, None] * (H * K) + h * K + d[None, :]
-    d_q = tl.load(pq + offs, mask=m16, other=0.0)
-    d_k = tl.load(pk + offs, mask=m16, other=0.0)
-    d_g = tl.load(pG + offs, mask=m16, other=0.0)
-    d_b = tl.zeros([16], dtype=tl.float32)
-    q_i = row_block(q, t0, r0, n, H * K, h * K, d, K)
-    k_i = row_block(k, t0, r0, n, H * K, h * K, d, K)
-    g_i = row_block(G, t0, r0, n, H * K, h * K, d, K)
-    b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
-
-    # the decayed products exp(G_t - G_s) = exp(G_t - r_i) exp(r_i - G_s), r_i = G at the first row of the
-    # row's block i: every factor <= 1 except inside the diagonal tile, where a lower-bounded gate keeps it
-    # <= e^{15 |g_min|}. Row side: keys s of the block's rows t.
+    # Loads first. Triton converts a tile that meets the dot results in their register layout right after its
+    # load (through shared memory, behind a CTA barrier), and every later load waits for it; so those row tiles
+    # come last, as two loads (pq, pk, pG and G in fp32; q and k) split in registers after one conversion each.
+    # The dMqk / dL tiles become dot operands only at their dots (the tl.where there): Triton 3.6 otherwise
+    # moves all four operands into registers right after their loads (64 registers held through the rest).
+    # sm_90 SASS: 3 dependent waits per program (the chunk bounds, the tiles, the fused row tiles).
     k_all = load_tile(k, t0, n, h, H, K, kc, BKT)
     g_all = load_tile(G, t0, n, h, H, K, kc, BKT)
-    kb_i = k_i * b_i[:, None]
-    g_r = load_col(G, t0, r0, h, H, K, kc, BKT)
-    if SAFE_GATE:
-        ncol = r0 + 16
-    else:  # the diagonal tile goes position by position below
-        ncol = r0
-    e_row = tl.exp(tl.where(m16, g_i - g_r[None, :], float("-inf")))
-    e_col = tl.exp(tl.where(((t < ncol) & row_ok)[:, None] & kmask[None, :], g_r[None, :] - g_all, float("-inf")))
-    kl = k_all * e_col
-    d_m_i = to_dot(row_block(dM_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
-    d_l_i = to_dot(row_block(dL_buf, t0, r0, n, H * 64, h * 64, t, 64), DOT_BF16)
-    r_q = dot_split(d_m_i, kl, False, DOT_BF16) * e_row
-    r_k = dot_split(d_l_i, kl, False, DOT_BF16) * e_row
-    d_q += r_q
-    d_k += b_i[:, None] * r_k
-    d_g += q_i * r_q + kb_i * r_k
-    d_b += tl.sum(k_i * r_k, 1)
+    q_all = load_tile(q, t0, n, h, H, K, kc, BKT)
+    b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
+    g_r = load_col(G, t0, r0, h, H, K, kc, BKT)  # the row side's reference row (the block's first)
+    g_l = load_col(G, t0, tl.minimum(r0 + 15, n - 1), h, H, K, kc, BKT)  # the column side's (its last)
+    b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
+    d_m_i = row_block(dM_buf, t0, r0, n, H * 64, h * 64, t, 64)
+    d_l_i = row_block(dL_buf, t0, r0, n, H * 64, h * 64, t, 64)
+    cols = (t0 + t)[None, :] * (H * 64) + h * 64 + rows[:, None]  # [s, t] -> dM[t, s], keys s of the block
+    d_m_c = tl.load(dM_buf + cols, mask=row_ok[None, :], other=0.0)
+    d_l_c = tl.load(dL_buf + cols, mask=row_ok[None, :], other=0.0)
+    j2 = tl.arange(0, 2)
+    ja, jb = j2[None, None, :, None], j2[None, None, None, :]
+    p4 = tl.where(jb == 0, tl.where(ja == 0, pq, pk), tl.where(ja == 0, pG, G)) + offs[:, :, None, None]
+    if K % 4 == 0:  # rows of fp32 buffers that chunk.py allocates (16-byte aligned): 4 columns per vector load
+        p4 = tl.max_contiguous(tl.multiple_of(p4, (1, 16, 1, 1)), (1, 4, 1, 1))
+    part = tl.load(p4, mask=m16[:, :, None, None], other=0.0)
+    part_qk, part_g = tl.split(part)
+    d_q, d_k = tl.split(part_qk)
+    d_g, g_i = tl.split(part_g)
+    qk_i = tl.load(tl.where(j2[None, None, :] == 0, q, k) + offs[:, :, None], mask=m16[:, :, None], other=0.0)
+    q_i, k_i = tl.split(qk_i.to(tl.float32))
 
-    # column side: rows t of block i >= blk send to the block's keys s, around the same r_i = G[16 i] as the
-    # row side of those pairs used, so the two halves of each pair's dG (+X at t, -X at s) cancel exactly
-    col = tl.zeros([16, BKT], dtype=tl.float32)
-    for i in range(blk if SAFE_GATE else blk + 1, 4):
-        ri = i * 16
-        rows_i = ri + s16
-        ok_i = (rows_i < n)[:, None] & kmask[None, :]
-        g_ref = load_col(G, t0, tl.minimum(ri, n - 1), h, H, K, kc, BKT)
-        e_b = tl.exp(tl.where(ok_i, row_block(G, t0, ri, n, H * K, h * K, d, K) - g_ref[None, :], float("-inf")))
-        b_b = tl.load(beta + (t0 + rows_i) * H + h, mask=rows_i < n, other=0.0).to(tl.float32)
-        pair = (t0 + rows_i)[:, None] * (H * 64) + h * 64 + rows[None, :]  # dM[t in block i, s in blk]
-        d_m_ts = tl.load(dM_buf + pair, mask=(rows_i < n)[:, None], other=0.0)
-        d_l_ts = tl.load(dL_buf + pair, mask=(rows_i < n)[:, None], other=0.0)
-        x_q = row_block(q, t0, ri, n, H * K, h * K, d, K) * e_b
-        x_k = row_block(k, t0, ri, n, H * K, h * K, d, K) * b_b[:, None] * e_b
-        part = dot_split(tl.trans(to_dot(d_m_ts, DOT_BF16)), x_q, False, DOT_BF16)
-        part += dot_split(tl.trans(to_dot(d_l_ts, DOT_BF16)), x_k, False, DOT_BF16)
-        col += part * tl.exp(tl.where(m16, g_ref[None, :] - g_i, float("-inf")))
-    d_k += col
-    d_g -= col * k_i
+    # exp(G_t - G_s), t >= s, in two factors around a reference row. Row side (the block's rows t, keys s up to
+    # its diagonal) around r = G at the block's first row: exp(G_t - r) <= 1, exp(r - G_s) <= 1 before the
+    # block and <= e^{15 |g_min|} inside the diagonal tile (the forward's factorisation). Column side (the
+    # block's keys s, rows t from the block on) around rl = G at its last row, the mirror image: exp(rl - G_s)
+    # <= 1, exp(G_t - rl) <= 1 after the block and <= e^{15 |g_min|} inside it; a factor that underflows there
+    # belongs to a product below e^-87. An unbounded gate (SAFE_GATE=False) leaves the diagonal tile to the
+    # position-by-position loop below, so that every factor is <= 1.
+    ncol = r0 + 16 if SAFE_GATE else r0
+    nrow = r0 if SAFE_GATE else r0 + 16
+    e_row = exp_ftz(tl.where(m16, g_i - g_r[None, :], float("-inf")))
+    e_col = exp_ftz(tl.where(((t < ncol) & row_ok)[:, None] & kmask[None, :], g_r[None, :] - g_all, float("-inf")))
+    e_t = exp_ftz(tl.where(((t >= nrow) & row_ok)[:, None] & kmask[None, :], g_all - g_l[None, :], float("-inf")))
+    e_s = exp_ftz(tl.where(m16, g_l[None, :] - g_i, float("-inf")))
+    kl = k_all * e_col
+    x_q = q_all * e_t
+    x_k = k_all * b_all[:, None] * e_t
+    # (the masks repeat the loads': see above)
+    r_q = dot_split(to_dot(tl.where(rok[:, None], d_m_i, 0.0), DOT_BF16), kl, False, DOT_BF16) * e_row
+    r_k = dot_split(to_dot(tl.where(rok[:, None], d_l_i, 0.0), DOT_BF16), kl, False, DOT_BF16) * e_row
+    col = dot_split(to_dot(tl.where(row_ok[None, :], d_m_c, 0.0), DOT_BF16), x_q, False, DOT_BF16)
+    col += dot_split(to_dot(tl.where(row_ok[None, :], d_l_c, 0.0), DOT_BF16), x_k, False, DOT_BF16)
+    col *= e_s
+    d_q += r_q
+    d_k += b_i[:, None] * r_k + col
+    d_g += q_i * r_q + (k_i * b_i[:, None]) * r_k - col * k_i
+    d_b = tl.sum(k_i * r_k, 1)
 
     if not SAFE_GATE:  # diagonal tile position by position (unbounded gate): exp(G_t - G_s), t >= s in the block
         for j in range(0, 16):
@@ -143,7 +160,7 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
             k_s = load_col(k, t0, tl.minimum(s, n - 1), h, H, K, kc, BKT)
             g_s = load_col(G, t0, tl.minimum(s, n - 1), h, H, K, kc, BKT)
             ok = (rows >= s) & rok & s_ok
-            e = tl.exp(tl.where(ok[:, None] & kmask[None, :], g_i - g_s[None, :], float("-inf")))
+            e = exp_ftz(tl.where(ok[:, None] & kmask[None, :], g_i - g_s[None, :], float("-inf")))
             dm_s = tl.load(dM_buf + (t0 + rows) * H * 64 + h * 64 + s, mask=rok & s_ok, other=0.0).to(tl.float32)
             dl_s = tl.load(dL_buf + (t0 + rows) * H * 64 + h * 64 + s, mask=rok & s_ok, other=0.0).to(tl.float32)
             p_m = dm_s[:, None] * e

@@ -61,6 +61,8 @@ def kernel_cases():
         "intra_bwd_dv": (intra_bwd_dv_kernel, dict(V=D, DOT_BF16=True), chunk.DV_CONFIG),
         "intra_bwd_dqk": (intra_bwd_dqk_kernel, dict(K=D, BKT=chunk.BKT, SAFE_GATE=True, DOT_BF16=True),
                           chunk.DQK_CONFIG),
+        "intra_bwd_dqk_per_position": (intra_bwd_dqk_kernel, dict(K=D, BKT=chunk.BKT, SAFE_GATE=False, DOT_BF16=True),
+                                       chunk.DQK_CONFIG),
         "gate_bwd": (gate_bwd_kernel, dict(K=D, BKT=chunk.BKT, **gate), chunk.GATE_BWD_CONFIG),
         "l2norm_bwd": (l2norm_bwd_kernel, dict(K=D, BK=D, BR=chunk.L2_ROWS), {}),
     }
@@ -69,11 +71,15 @@ def kernel_cases():
 # Spill bytes tolerated per kernel: the 4-warp configs below were measured faster on the H200 than 8-warp
 # ones without spills (tools/sweep_kda_kernels.py); the bounds sit ~20% above what ptxas reports for them
 # (Triton 3.8) so that a change that spills more fails here.
-SPILL_ALLOWANCE: dict[str, int] = {"state_fwd_bv32": 180, "state_fwd_bv64": 640}
+# The dq/dk kernel is latency-bound: its launch table caps it at 128 registers (4 CTAs of 128 threads per SM)
+# at the price of a few spilled registers (Triton 3.8: 52 / 36 bytes; the GPU machine's 3.6: 16-20 / 48-52).
+SPILL_ALLOWANCE: dict[str, int] = {"state_fwd_bv32": 180, "state_fwd_bv64": 640, "intra_bwd_dqk": 64,
+                                   "intra_bwd_dqk_per_position": 64}
+MAX_REGISTERS: dict[str, int] = {"intra_bwd_dqk": 128, "intra_bwd_dqk_per_position": 128}
 
 NAMES = ["gate_cumsum", "intra_fwd", "walk_operands", "state_fwd_bv16", "state_fwd_bv32", "state_fwd_bv64", "output",
          "state_bwd_bv16", "state_bwd_bv32", "state_bwd_bv64", "inter_bwd", "intra_bwd_dv", "intra_bwd_dqk",
-         "gate_bwd", "l2norm_bwd"]
+         "intra_bwd_dqk_per_position", "gate_bwd", "l2norm_bwd"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -81,12 +87,14 @@ def test_kda_kernel_compiles_for_hopper_without_spills(name):
     from kimi_kernels._compile_check import compile_for, resources
 
     kernel, constexprs, config = kernel_cases()[name]
-    constexprs = {**constexprs, **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
+    options = ("num_warps", "num_stages", "maxnreg")
+    constexprs = {**constexprs, **{k: v for k, v in config.items() if k not in options}}
     sig = signature(kernel, constexprs)
     pointers = tuple(name for name, kind in sig.items() if kind.startswith("*"))
     compiled = compile_for(kernel, sig, constexprs, num_warps=config.get("num_warps", 4),
-                           num_stages=config.get("num_stages", 3), aligned=pointers)
+                           num_stages=config.get("num_stages", 3), aligned=pointers, maxnreg=config.get("maxnreg"))
     used = resources(compiled)
     assert "cubin" in compiled.asm
     allowed = SPILL_ALLOWANCE.get(name, 0)
     assert used.spill_stores <= allowed and used.spill_loads <= allowed, f"{name}: {used}"
+    assert used.registers <= MAX_REGISTERS.get(name, 255), f"{name}: {used}"
