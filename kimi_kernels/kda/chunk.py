@@ -38,9 +38,11 @@ INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4)
 STATE_CONFIGS = (_launch(BV=16, num_warps=4), _launch(BV=32, num_warps=4), _launch(BV=64, num_warps=4))
 WALK_OPERANDS_CONFIG = _launch(num_warps=8)  # 4 warps spill (ptxas, sm_90)
 OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
-# gate cumsum + L2 norm of q and k: one tensor per program in 16-row blocks; 64 registers at 4 warps, so ~8
-# programs share an SM (memory bound: what matters is how many loads are in flight)
-GATE_CONFIG = _launch(RB=16, num_warps=4)
+# gate cumsum + L2 norm of q and k (memory-bound, docs/kda.md): one warp per (chunk, COLS columns = 2 heads of
+# 128, one tensor), the rows inside each thread, blocks of RB rows (RB_NORM for the L2 norm) loaded one block
+# ahead. The register cap fixes 16 programs an SM (ptxas: no spills, tests/kernels/test_kda_compile.py); wider
+# blocks spill under it; uncapped, ptxas takes 145 registers (13 programs an SM).
+GATE_CONFIG = _launch(COLS=256, RB=4, RB_NORM=8, num_warps=1, maxnreg=128)
 DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=3)
 INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
 DQK_CONFIG = _launch(num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
@@ -110,6 +112,16 @@ def _block_k(K):
     return max(32, triton.next_power_of_2(K))
 
 
+def heads_per_program(config, K) -> int:
+    """Heads per program of the gate kernels: COLS columns (launch table) of _block_k(K) each, at least one."""
+    return max(1, config["COLS"] // _block_k(K))
+
+
+def _without_cols(config) -> dict:
+    """A gate kernel's launch arguments: its table without COLS (which sets HB, see heads_per_program)."""
+    return {key: value for key, value in config.items() if key != "COLS"}
+
+
 def gate_layout(f) -> tuple[int, int, int]:
     """(sequence length, batch stride, time stride) through which the gate kernels address ``f [B, T, H, K]``
     (a token's H x K values contiguous, see :func:`chunk_kda`)."""
@@ -122,11 +134,12 @@ def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm):
     T, H, K = q.shape
     G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
     qn, kn = (torch.empty_like(q), torch.empty_like(k)) if l2norm else (q, k)
-    gate_cumsum_kernel[(meta.num_chunks, H, 3 if l2norm else 1)](
+    hb = heads_per_program(GATE_CONFIG, K)
+    gate_cumsum_kernel[(meta.num_chunks * triton.cdiv(H, hb), 3 if l2norm else 1)](
         f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn,
         meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, *gate_layout(f), H=H, K=K,
-        BK=_block_k(K), GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm,
-        **GATE_CONFIG)
+        BK=_block_k(K), HB=hb, GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm,
+        **_without_cols(GATE_CONFIG))
     return G, qn, kn
 
 
