@@ -41,12 +41,15 @@ OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
 # gate cumsum + L2 norm of q and k (memory-bound, docs/kda.md): one warp per (chunk, COLS columns = 2 heads of
 # 128, one tensor), the rows inside each thread, blocks of RB rows (RB_NORM for the L2 norm) loaded one block
 # ahead. The register cap fixes 16 programs an SM (ptxas: no spills, tests/kernels/test_kda_compile.py); wider
-# blocks spill under it; uncapped, ptxas takes 145 registers (13 programs an SM).
-GATE_CONFIG = _launch(COLS=256, RB=4, RB_NORM=8, num_warps=1, maxnreg=128)
+# blocks spill under it; uncapped, ptxas takes 145 registers (13 programs an SM). num_stages=1: the loops' own
+# one-block-ahead loads are the pipeline (Triton 3.8 compiles the same code at 3; another version's pipeliner could
+# move them through shared memory)
+GATE_CONFIG = _launch(COLS=256, RB=4, RB_NORM=8, num_warps=1, num_stages=1, maxnreg=128)
 DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=3)
 INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
 DQK_CONFIG = _launch(num_warps=4, num_stages=1)  # one 16-row block of a chunk per program
-GATE_BWD_CONFIG = _launch(num_warps=4)
+# gate backward: as the gate cumsum, blocks of 2 rows (4 spill 272 B under the cap)
+GATE_BWD_CONFIG = _launch(COLS=256, RB=2, num_warps=1, num_stages=1, maxnreg=128)
 BKT = 32  # K tile of the dq/dk/dg kernels (never 16: see _block_k)
 KS = 64  # K slice of the decayed products in intra_fwd_kernel
 L2_ROWS = 32  # rows per program of the L2-norm backward
@@ -217,7 +220,7 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     dg = torch.empty_strided(f.shape, f.stride(), dtype=f.dtype, device=dev)  # f's layout (gate_layout)
     has_a = gate != GATE_GIVEN and A_log is not None
     has_bias = gate != GATE_GIVEN and dt_bias is not None
-    dA_parts = torch.empty(meta.num_chunks, H, num_kt, **f32) if has_a else dg
+    dA_parts = torch.empty(meta.num_chunks, H, **f32) if has_a else dg
     ddt_parts = torch.empty(meta.num_chunks, H, K, **f32) if has_bias else dg
     d_G = torch.empty(T, H, K, **f32)  # per-token dG before the reverse cumsum
     dlast = torch.empty(meta.num_chunks, H, K, **f32)  # the chunk's last row's share of dG (through Gl)
@@ -232,12 +235,13 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
         q, k, beta, G, scratch[0], scratch[1], pq, pk, d_G, dq, dk, d_G, dbeta_parts, meta.chunk_start,
         meta.chunk_len, scale, H, T * H, K=K, BKT=block_kt, SAFE_GATE=safe_gate, DOT_BF16=opts["DOT_BF16"],
         **DQK_CONFIG)
-    gate_bwd_kernel[(num_kt, meta.num_chunks, H)](
+    hb = heads_per_program(GATE_BWD_CONFIG, K)
+    gate_bwd_kernel[(meta.num_chunks * triton.cdiv(H, hb),)](
         d_G, dlast, f, A_log if has_a else f, dt_bias if has_bias else f, dg, dA_parts, ddt_parts,
-        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), *gate_layout(f), H, K=K, BKT=block_kt,
-        GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, **GATE_BWD_CONFIG)
+        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), *gate_layout(f), H, K=K, BK=opts["BK"],
+        HB=hb, GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, **_without_cols(GATE_BWD_CONFIG))
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
-    dA_log = dA_parts.sum((0, 2)) if has_a else None
+    dA_log = dA_parts.sum(0) if has_a else None
     ddt_bias = ddt_parts.sum(0).reshape(H * K) if has_bias else None
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 

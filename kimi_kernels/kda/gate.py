@@ -47,14 +47,6 @@ def gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride):
 
 
 @triton.jit
-def gate_tile(f, t0, n, h, K: tl.constexpr, col0, BK: tl.constexpr, f_seq_len, f_seq_stride, f_tok_stride):
-    """Block pointer to the [64, BK] tile of f (or of its gradient, laid out like f) at packed tokens
-    t0..t0+n-1, head h, columns col0..col0+BK-1."""
-    base = gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + h * K
-    return tl.make_block_ptr(f + base, (n, K), (f_tok_stride, 1), (0, col0), (64, BK), (1, 0))
-
-
-@triton.jit
 def head_group_columns(hg, H, K: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr):
     """The K columns of HB consecutive heads (group hg) as one flat axis of HB * BK: per column its offset
     h * K + d inside a token's H x K values and whether it is real (h < H, d < K). With BK = K the offsets are

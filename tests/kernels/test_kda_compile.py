@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs the compiling JIT, not the interpreter")
 
 D = 128
-POINTER_FP32 = {"G", "Ainv", "A_log", "dt_bias", "h0", "ht", "dht", "dh0", "dq", "dk", "dxn", "dbeta_parts",
+POINTER_FP32 = {"G", "dG_buf", "Ainv", "A_log", "dt_bias", "h0", "ht", "dht", "dh0", "dq", "dk", "dxn", "dbeta_parts",
                 "dA_parts", "ddt_parts", "pq", "pk", "pG", "dlast", "starts"}
 INTS = {"H", "part_stride", "part_offset", "rows", "f_seq_len", "f_seq_stride", "f_tok_stride"}
 FLOATS = {"scale", "lower_bound", "eps"}
@@ -62,7 +62,8 @@ def kernel_cases():
         "intra_bwd_dv": (intra_bwd_dv_kernel, dict(V=D, DOT_BF16=True), chunk.DV_CONFIG),
         "intra_bwd_dqk": (intra_bwd_dqk_kernel, dict(K=D, BKT=chunk.BKT, SAFE_GATE=True, DOT_BF16=True),
                           chunk.DQK_CONFIG),
-        "gate_bwd": (gate_bwd_kernel, dict(K=D, BKT=chunk.BKT, **gate), chunk.GATE_BWD_CONFIG),
+        "gate_bwd": (gate_bwd_kernel, dict(K=D, BK=D, HB=chunk.heads_per_program(chunk.GATE_BWD_CONFIG, D), **gate),
+                     chunk.GATE_BWD_CONFIG),
         "l2norm_bwd": (l2norm_bwd_kernel, dict(K=D, BK=D, BR=chunk.L2_ROWS), {}),
     }
 
@@ -79,7 +80,8 @@ NAMES = ["gate_cumsum", "intra_fwd", "walk_operands", "state_fwd_bv16", "state_f
 
 # Integer arguments the launcher specializes as multiples of 16 at B4 T8192 H32 D128 (a token's H x K gate values:
 # 4096), for the gate kernels whose 16-byte row accesses depend on them (other kernels: pointers only, as measured).
-ALIGNED_INTS = {"gate_cumsum": ("H", "f_seq_len", "f_seq_stride", "f_tok_stride")}
+ALIGNED_INTS = {"gate_cumsum": ("H", "f_seq_len", "f_seq_stride", "f_tok_stride"),
+                "gate_bwd": ("H", "f_seq_len", "f_seq_stride", "f_tok_stride")}
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "COLS")  # launch-table keys that are not constexprs
 
 
@@ -103,7 +105,7 @@ def test_kda_kernel_compiles_for_hopper_without_spills(name):
     assert used.spill_stores <= allowed and used.spill_loads <= allowed, f"{name}: {used}"
 
 
-# PTX memory accesses of the gate kernel at D = 128 (2 heads x 128 columns a program, 8 a thread): the chunk loops
+# PTX memory accesses of the gate kernels at D = 128 (2 heads x 128 columns a program, 8 a thread): the chunk loops
 # run two blocks a step, after one block loaded ahead. ld.global.v2.b32 is 4 bf16 (8 bytes), ld/st.global.v4.b32
 # 8 bf16 or 4 fp32 (16 bytes); 3 loads of a block = one ahead + two in the loop.
 GATE_ACCESSES = {
@@ -111,13 +113,16 @@ GATE_ACCESSES = {
     # a row, qn / kn 16 bytes a row
     "gate_cumsum": {"ld.global.v2.b32": 3 * 4 * 2, "ld.global.v4.b32": 3 * 8 + 2,
                     "st.global.v4.b32": 2 * 4 * 2 + 2 * 8},
+    # dG: 2 x 16 bytes a row, f: 16 bytes a row (blocks of RB = 2 rows), + dlast, dt_bias; dg: 16 bytes a row, +
+    # the ddt_bias partial sums
+    "gate_bwd": {"ld.global.v4.b32": 3 * 2 * 3 + 2 + 2, "st.global.v4.b32": 2 * 2 + 2},
 }
 
 
-@pytest.mark.parametrize("name", ["gate_cumsum"])
+@pytest.mark.parametrize("name", ["gate_cumsum", "gate_bwd"])
 def test_gate_kernels_stream_wide_vectors_in_thread(name):
-    """The gate kernel moves rows in 8- and 16-byte vectors, scans the chunk inside each thread (no shuffles up
-    the rows, no layout conversion by warp shuffles), and keep to the launch table's register cap,
+    """The gate kernels move rows in 8- and 16-byte vectors, scan the chunk inside each thread (no shuffles up
+    the rows, no layout conversion by warp shuffles in the loops), and keep to the launch table's register cap,
     which fixes the programs per SM (16 one-warp programs at 128 registers)."""
     import re
 
@@ -128,5 +133,6 @@ def test_gate_kernels_stream_wide_vectors_in_thread(name):
         assert count(op) == expected, (op, count(op))
     assert count("ld.global.b16") == 0 and count("st.global.b16") == 0  # no unvectorised bf16 access
     assert "shfl.sync.up" not in ptx  # the cumsum is not a cross-lane scan
-    assert "shfl.sync.idx" not in ptx
+    if name == "gate_cumsum":  # (gate_bwd's once-per-program dA_log sum per head converts through shuffles)
+        assert "shfl.sync.idx" not in ptx
     assert used.registers <= config["maxnreg"] and 65536 // (used.registers * 32 * config["num_warps"]) >= 16
