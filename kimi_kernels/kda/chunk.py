@@ -40,10 +40,10 @@ WALK_OPERANDS_CONFIG = _launch(num_warps=8)  # 4 warps spill (ptxas, sm_90)
 OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
 # gate cumsum + L2 norm of q and k (memory-bound, docs/kda.md): one warp per (chunk, COLS columns = 2 heads of
 # 128, one tensor), the rows inside each thread, blocks of RB rows (RB_NORM for the L2 norm) loaded one block
-# ahead. The register cap fixes 16 programs an SM (ptxas: no spills, tests/kernels/test_kda_compile.py); wider
-# blocks spill under it; uncapped, ptxas takes 145 registers (13 programs an SM). num_stages=1: the loops' own
-# one-block-ahead loads are the pipeline (Triton 3.8 compiles the same code at 3; another version's pipeliner could
-# move them through shared memory)
+# ahead. The register cap keeps at least 16 programs an SM (ptxas, no spills: 128 registers under Triton 3.8, 116
+# under 3.6, tests/kernels/test_kda_compile.py); wider blocks spill under it (RB = 8: 232 B under 3.8, 28 B under
+# 3.6; RB_NORM = 16: ~130 B under both). num_stages=1: the loops' own one-block-ahead loads are the pipeline
+# (Triton 3.8 compiles the same code at 3; another version's pipeliner could move them through shared memory)
 GATE_CONFIG = _launch(COLS=256, RB=4, RB_NORM=8, num_warps=1, num_stages=1, maxnreg=128)
 DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=3)
 INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program

@@ -57,25 +57,27 @@ def head_group_columns(hg, H, K: tl.constexpr, BK: tl.constexpr, HB: tl.constexp
 
 
 @triton.jit
-def gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, hg, lower_bound, f_seq_len, f_seq_stride, f_tok_stride,
-                      H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, GATE: tl.constexpr,
-                      HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """G = cumsum over the chunk's rows of gate(f) for the HB heads of group hg, RB rows at a time. The columns are
-    a [HB * BK / 4, 4] grid, so that f (bf16) is read in 8-byte runs, the layout of G's 16-byte stores: with f in
-    16-byte runs, Triton converted every tile from one layout to the other through warp shuffles."""
-    j = tl.arange(0, HB * BK // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    head, d = hg * HB + j // BK, j % BK
-    col, col_ok = (head * K + d)[None, :, :], ((head < H) & (d < K))[None, :, :]
+def gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, col, col_ok, lower_bound, f_seq_len, f_seq_stride,
+                      f_tok_stride, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+                      GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """G = cumsum over the chunk's rows of gate(f) for the HB * BK columns col (head_group_columns), RB rows at a
+    time, in [RB, HB * BK] tiles. f's column offsets are marked contiguous in runs of 4 only (tl.max_contiguous),
+    so f (bf16) is read in 8-byte runs, 4 columns a run as in G's 16-byte fp32 stores: both accesses take one
+    layout (4 columns a vector, the threads across the columns, a block's rows inside each thread) and the scan
+    over rows is a sum in registers. With f in 16-byte runs, Triton converted every tile between the two layouts
+    through warp shuffles. (An [RB, cols / 4, 4] tile ties its two outer axes in contiguity, and Triton 3.6 broke
+    the tie the other way from 3.8: threads across the rows, a cross-lane scan, and spills.)"""
+    col, col_ok = col[None, :], col_ok[None, :]
     a = 1.0
     if HAS_A:
-        a = tl.exp(tl.load(A_log + head, mask=head < H, other=0.0).to(tl.float32))[None, :, :]
+        a = tl.exp(tl.load(A_log + col // K, mask=col_ok, other=0.0).to(tl.float32))
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(dt_bias + col, mask=col_ok, other=0.0).to(tl.float32)
-    carry = tl.zeros([1, HB * BK // 4, 4], dtype=tl.float32)
-    f_col = f + gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + col
+    carry = tl.zeros([1, HB * BK], dtype=tl.float32)
+    f_col = f + gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + tl.max_contiguous(col, [1, 4])
     g_col = G + t0.to(tl.int64) * (H * K) + col
-    rows = tl.arange(0, RB)[:, None, None]
+    rows = tl.arange(0, RB)[:, None]
     # two blocks a step, each loaded one block ahead into its own registers: the next block's loads go out
     # before this block's stores, and no loaded register is copied at the loop's back edge (where the warp
     # would wait for the load to land); rows past the chunk (n <= 64) are masked off
@@ -141,8 +143,8 @@ def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, chunk_start, chunk_le
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     col, col_ok = head_group_columns(hg, H, K, BK, HB)
     if part == 0:
-        gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, hg, lower_bound, f_seq_len, f_seq_stride, f_tok_stride,
-                          H, K, HB, BK, RB, GATE, HAS_A, HAS_BIAS)
+        gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, col, col_ok, lower_bound, f_seq_len, f_seq_stride,
+                          f_tok_stride, H, K, HB, BK, RB, GATE, HAS_A, HAS_BIAS)
     else:
         src, dst = q, qn
         if part == 2:

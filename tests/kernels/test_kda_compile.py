@@ -123,7 +123,8 @@ GATE_ACCESSES = {
 def test_gate_kernels_stream_wide_vectors_in_thread(name):
     """The gate kernels move rows in 8- and 16-byte vectors, scan the chunk inside each thread (no shuffles up
     the rows, no layout conversion by warp shuffles in the loops), and keep to the launch table's register cap,
-    which fixes the programs per SM (16 one-warp programs at 128 registers)."""
+    which fixes the programs per SM (16 one-warp programs at 128 registers). Triton 3.6 and 3.8 give the same
+    access counts."""
     import re
 
     compiled, used, config = compile_case(name)
@@ -133,6 +134,7 @@ def test_gate_kernels_stream_wide_vectors_in_thread(name):
         assert count(op) == expected, (op, count(op))
     assert count("ld.global.b16") == 0 and count("st.global.b16") == 0  # no unvectorised bf16 access
     assert "shfl.sync.up" not in ptx  # the cumsum is not a cross-lane scan
-    if name == "gate_cumsum":  # (gate_bwd's once-per-program dA_log sum per head converts through shuffles)
+    if name == "gate_cumsum":  # (gate_bwd's once-per-program dA_log sum per head converts through shuffles
+        # under 3.8, through shared memory under 3.6)
         assert "shfl.sync.idx" not in ptx
     assert used.registers <= config["maxnreg"] and 65536 // (used.registers * 32 * config["num_warps"]) >= 16
