@@ -57,6 +57,19 @@ def head_group_columns(hg, H, K: tl.constexpr, BK: tl.constexpr, HB: tl.constexp
 
 
 @triton.jit
+def gate_parameters(A_log, dt_bias, col, col_ok, K: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(a, bias) of the gate for columns col (head = col // K): a = exp(A_log[head]) or 1, bias = dt_bias[col] or 0,
+    fp32."""
+    a = 1.0
+    if HAS_A:
+        a = tl.exp(tl.load(A_log + col // K, mask=col_ok, other=0.0).to(tl.float32))
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + col, mask=col_ok, other=0.0).to(tl.float32)
+    return a, bias
+
+
+@triton.jit
 def gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, col, col_ok, lower_bound, f_seq_len, f_seq_stride,
                       f_tok_stride, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
                       GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
@@ -68,12 +81,7 @@ def gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, col, col_ok, lower_bound, f_s
     through warp shuffles. (An [RB, cols / 4, 4] tile ties its two outer axes in contiguity, and Triton 3.6 broke
     the tie the other way from 3.8: threads across the rows, a cross-lane scan, and spills.)"""
     col, col_ok = col[None, :], col_ok[None, :]
-    a = 1.0
-    if HAS_A:
-        a = tl.exp(tl.load(A_log + col // K, mask=col_ok, other=0.0).to(tl.float32))
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(dt_bias + col, mask=col_ok, other=0.0).to(tl.float32)
+    a, bias = gate_parameters(A_log, dt_bias, col, col_ok, K, HAS_A, HAS_BIAS)
     carry = tl.zeros([1, HB * BK], dtype=tl.float32)
     f_col = f + gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + tl.max_contiguous(col, [1, 4])
     g_col = G + t0.to(tl.int64) * (H * K) + col

@@ -26,7 +26,7 @@ dMqk / dL are rounded once (bf16 scratch) so both sides of a pair see the same v
 import triton
 import triton.language as tl
 
-from kimi_kernels.kda.gate import gate_grads, gate_token_offset, head_group_columns
+from kimi_kernels.kda.gate import gate_grads, gate_parameters, gate_token_offset, head_group_columns
 from kimi_kernels.kda.intra import dot_split, load_tile, row_block, store_tile, to_dot
 
 
@@ -183,12 +183,7 @@ def gate_bwd_kernel(dG_buf, dlast, f, A_log, dt_bias, dg, dA_parts, ddt_parts, c
     col, col_ok = col[None, :], col_ok[None, :]
     # d(G_last) reaches every row of the chunk: it starts the running sum
     carry = tl.load(dlast + c * (H * K) + col, mask=col_ok, other=0.0)
-    a = 1.0
-    if HAS_A:
-        a = tl.exp(tl.load(A_log + col // K, mask=col_ok, other=0.0).to(tl.float32))
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(dt_bias + col, mask=col_ok, other=0.0).to(tl.float32)
+    a, bias = gate_parameters(A_log, dt_bias, col, col_ok, K, HAS_A, HAS_BIAS)
     sum_da = tl.zeros([1, HB * BK], dtype=tl.float32)  # dA_log terms per column
     sum_dt = tl.zeros([1, HB * BK], dtype=tl.float32)  # ddt_bias terms per column
     dG_col = dG_buf + t0.to(tl.int64) * (H * K) + col
