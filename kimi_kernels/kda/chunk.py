@@ -38,16 +38,21 @@ INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4)
 STATE_CONFIGS = (_launch(BV=16, num_warps=4), _launch(BV=32, num_warps=4), _launch(BV=64, num_warps=4))
 WALK_OPERANDS_CONFIG = _launch(num_warps=8)  # 4 warps spill (ptxas, sm_90)
 OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
-# gate cumsum + L2 norm of q and k: one tensor per program in 16-row blocks; 64 registers at 4 warps, so ~8
-# programs share an SM (memory bound: what matters is how many loads are in flight)
-GATE_CONFIG = _launch(RB=16, num_warps=4)
+# gate cumsum + L2 norm of q and k (memory-bound, docs/kda.md): one warp per (chunk, COLS columns = 2 heads of
+# 128, one tensor), the rows inside each thread, blocks of RB rows (RB_NORM for the L2 norm) loaded one block
+# ahead. The register cap keeps at least 16 programs an SM (ptxas, no spills: 128 registers under Triton 3.8, 116
+# under 3.6, tests/kernels/test_kda_compile.py); wider blocks spill under it (RB = 8: 232 B under 3.8, 28 B under
+# 3.6; RB_NORM = 16: ~130 B under both). num_stages=1: the loops' own one-block-ahead loads are the pipeline
+# (Triton 3.8 compiles the same code at 3; another version's pipeliner could move them through shared memory)
+GATE_CONFIG = _launch(COLS=256, RB=4, RB_NORM=8, num_warps=1, num_stages=1, maxnreg=128)
 DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=3)
 INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
 # one 16-row block of a chunk per program; latency-bound (intra_bwd.py): 128 registers keep 4 CTAs on an SM. ptxas
 # takes 168 uncapped with Triton 3.6 (the GPU machine's) and spills 16-20 bytes at 128; 52 with Triton 3.8
 # (tests/kernels/test_kda_compile.py)
 DQK_CONFIG = _launch(num_warps=4, num_stages=1, maxnreg=128)
-GATE_BWD_CONFIG = _launch(num_warps=4)
+# gate backward: as the gate cumsum, blocks of 2 rows (4 spill 272 B under the cap)
+GATE_BWD_CONFIG = _launch(COLS=256, RB=2, num_warps=1, num_stages=1, maxnreg=128)
 BKT = 32  # K tile of the dq/dk/dg kernels (never 16: see _block_k)
 KS = 64  # K slice of the decayed products in intra_fwd_kernel
 L2_ROWS = 32  # rows per program of the L2-norm backward
@@ -113,6 +118,16 @@ def _block_k(K):
     return max(32, triton.next_power_of_2(K))
 
 
+def heads_per_program(config, K) -> int:
+    """Heads per program of the gate kernels: COLS columns (launch table) of _block_k(K) each, at least one."""
+    return max(1, config["COLS"] // _block_k(K))
+
+
+def _without_cols(config) -> dict:
+    """A gate kernel's launch arguments: its table without COLS (which sets HB, see heads_per_program)."""
+    return {key: value for key, value in config.items() if key != "COLS"}
+
+
 def gate_layout(f) -> tuple[int, int, int]:
     """(sequence length, batch stride, time stride) through which the gate kernels address ``f [B, T, H, K]``
     (a token's H x K values contiguous, see :func:`chunk_kda`)."""
@@ -125,11 +140,12 @@ def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm):
     T, H, K = q.shape
     G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
     qn, kn = (torch.empty_like(q), torch.empty_like(k)) if l2norm else (q, k)
-    gate_cumsum_kernel[(meta.num_chunks, H, 3 if l2norm else 1)](
+    hb = heads_per_program(GATE_CONFIG, K)
+    gate_cumsum_kernel[(meta.num_chunks * triton.cdiv(H, hb), 3 if l2norm else 1)](
         f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn,
         meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, *gate_layout(f), H=H, K=K,
-        BK=_block_k(K), GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm,
-        **GATE_CONFIG)
+        BK=_block_k(K), HB=hb, GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm,
+        **_without_cols(GATE_CONFIG))
     return G, qn, kn
 
 
@@ -207,7 +223,7 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
     dg = torch.empty_strided(f.shape, f.stride(), dtype=f.dtype, device=dev)  # f's layout (gate_layout)
     has_a = gate != GATE_GIVEN and A_log is not None
     has_bias = gate != GATE_GIVEN and dt_bias is not None
-    dA_parts = torch.empty(meta.num_chunks, H, num_kt, **f32) if has_a else dg
+    dA_parts = torch.empty(meta.num_chunks, H, **f32) if has_a else dg
     ddt_parts = torch.empty(meta.num_chunks, H, K, **f32) if has_bias else dg
     d_G = torch.empty(T, H, K, **f32)  # per-token dG before the reverse cumsum
     dlast = torch.empty(meta.num_chunks, H, K, **f32)  # the chunk's last row's share of dG (through Gl)
@@ -222,12 +238,13 @@ def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lowe
         q, k, beta, G, scratch[0], scratch[1], pq, pk, d_G, dq, dk, d_G, dbeta_parts, meta.chunk_start,
         meta.chunk_len, scale, H, T * H, K=K, BKT=block_kt, SAFE_GATE=safe_gate, DOT_BF16=opts["DOT_BF16"],
         **DQK_CONFIG)
-    gate_bwd_kernel[(num_kt, meta.num_chunks, H)](
+    hb = heads_per_program(GATE_BWD_CONFIG, K)
+    gate_bwd_kernel[(meta.num_chunks * triton.cdiv(H, hb),)](
         d_G, dlast, f, A_log if has_a else f, dt_bias if has_bias else f, dg, dA_parts, ddt_parts,
-        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), *gate_layout(f), H, K=K, BKT=block_kt,
-        GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, **GATE_BWD_CONFIG)
+        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), *gate_layout(f), H, K=K, BK=opts["BK"],
+        HB=hb, GATE=gate, HAS_A=has_a, HAS_BIAS=has_bias, **_without_cols(GATE_BWD_CONFIG))
     dbeta = dbeta_parts.sum(0).to(beta.dtype)
-    dA_log = dA_parts.sum((0, 2)) if has_a else None
+    dA_log = dA_parts.sum(0) if has_a else None
     ddt_bias = ddt_parts.sum(0).reshape(H * K) if has_bias else None
     return dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0
 

@@ -47,49 +47,114 @@ def gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride):
 
 
 @triton.jit
-def gate_tile(f, t0, n, h, K: tl.constexpr, col0, BK: tl.constexpr, f_seq_len, f_seq_stride, f_tok_stride):
-    """Block pointer to the [64, BK] tile of f (or of its gradient, laid out like f) at packed tokens
-    t0..t0+n-1, head h, columns col0..col0+BK-1."""
-    base = gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + h * K
-    return tl.make_block_ptr(f + base, (n, K), (f_tok_stride, 1), (0, col0), (64, BK), (1, 0))
+def head_group_columns(hg, H, K: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr):
+    """The K columns of HB consecutive heads (group hg) as one flat axis of HB * BK: per column its offset
+    h * K + d inside a token's H x K values and whether it is real (h < H, d < K). With BK = K the offsets are
+    contiguous, so a thread's 8 columns are one 16-byte load of bf16 (two of fp32)."""
+    j = tl.arange(0, HB * BK)
+    head, d = hg * HB + j // BK, j % BK
+    return head * K + d, (head < H) & (d < K)
+
+
+@triton.jit
+def gate_parameters(A_log, dt_bias, col, col_ok, K: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(a, bias) of the gate for columns col (head = col // K): a = exp(A_log[head]) or 1, bias = dt_bias[col] or 0,
+    fp32."""
+    a = 1.0
+    if HAS_A:
+        a = tl.exp(tl.load(A_log + col // K, mask=col_ok, other=0.0).to(tl.float32))
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(dt_bias + col, mask=col_ok, other=0.0).to(tl.float32)
+    return a, bias
+
+
+@triton.jit
+def gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, col, col_ok, lower_bound, f_seq_len, f_seq_stride,
+                      f_tok_stride, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
+                      GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """G = cumsum over the chunk's rows of gate(f) for the HB * BK columns col (head_group_columns), RB rows at a
+    time, in [RB, HB * BK] tiles. f's column offsets are marked contiguous in runs of 4 only (tl.max_contiguous),
+    so f (bf16) is read in 8-byte runs, 4 columns a run as in G's 16-byte fp32 stores: both accesses take one
+    layout (4 columns a vector, the threads across the columns, a block's rows inside each thread) and the scan
+    over rows is a sum in registers. With f in 16-byte runs, Triton converted every tile between the two layouts
+    through warp shuffles. (An [RB, cols / 4, 4] tile ties its two outer axes in contiguity, and Triton 3.6 broke
+    the tie the other way from 3.8: threads across the rows, a cross-lane scan, and spills.)"""
+    col, col_ok = col[None, :], col_ok[None, :]
+    a, bias = gate_parameters(A_log, dt_bias, col, col_ok, K, HAS_A, HAS_BIAS)
+    carry = tl.zeros([1, HB * BK], dtype=tl.float32)
+    f_col = f + gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + tl.max_contiguous(col, [1, 4])
+    g_col = G + t0.to(tl.int64) * (H * K) + col
+    rows = tl.arange(0, RB)[:, None]
+    # two blocks a step, each loaded one block ahead into its own registers: the next block's loads go out
+    # before this block's stores, and no loaded register is copied at the loop's back edge (where the warp
+    # would wait for the load to land); rows past the chunk (n <= 64) are masked off
+    x0 = tl.load(f_col + rows * f_tok_stride, mask=(rows < n) & col_ok, other=0.0)
+    for _ in range(64 // (2 * RB)):
+        x1 = tl.load(f_col + (rows + RB) * f_tok_stride, mask=(rows + RB < n) & col_ok, other=0.0)
+        carry = gate_cumsum_rows(x0, g_col, rows, n, col_ok, carry, a, bias, lower_bound, H, K, GATE)
+        x0 = tl.load(f_col + (rows + 2 * RB) * f_tok_stride, mask=(rows + 2 * RB < n) & col_ok, other=0.0)
+        carry = gate_cumsum_rows(x1, g_col, rows + RB, n, col_ok, carry, a, bias, lower_bound, H, K, GATE)
+        rows += 2 * RB
+
+
+@triton.jit
+def gate_cumsum_rows(x, g_col, rows, n, col_ok, carry, a, bias, lower_bound, H, K: tl.constexpr,
+                     GATE: tl.constexpr):
+    """Stores G for one block of rows (x: its raw gate values); returns the running sum after it."""
+    mask = (rows < n) & col_ok
+    g = tl.where(mask, gate_value(x.to(tl.float32), a, bias, lower_bound, GATE), 0.0)
+    tl.store(g_col + rows * (H * K), carry + tl.cumsum(g, 0), mask=mask)
+    return carry + tl.sum(g, 0, keep_dims=True)
+
+
+@triton.jit
+def l2_normalize_chunk(src, dst, t0, n, col, col_ok, eps, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
+                       RB: tl.constexpr):
+    """dst = src / max(|src|, eps) per (row, head) over the chunk's rows, RB rows at a time (two blocks a step,
+    loaded one block ahead as in gate_cumsum_chunk)."""
+    rows = tl.arange(0, RB)[:, None]
+    src_col = src + t0.to(tl.int64) * (H * K) + col[None, :]
+    dst_col = dst + t0.to(tl.int64) * (H * K) + col[None, :]
+    x0 = tl.load(src_col + rows * (H * K), mask=(rows < n) & col_ok[None, :], other=0.0)
+    for _ in range(64 // (2 * RB)):
+        x1 = tl.load(src_col + (rows + RB) * (H * K), mask=(rows + RB < n) & col_ok[None, :], other=0.0)
+        l2_normalize_rows_to(x0, dst_col, rows, n, col_ok, eps, H, K, HB, BK, RB)
+        x0 = tl.load(src_col + (rows + 2 * RB) * (H * K), mask=(rows + 2 * RB < n) & col_ok[None, :], other=0.0)
+        l2_normalize_rows_to(x1, dst_col, rows + RB, n, col_ok, eps, H, K, HB, BK, RB)
+        rows += 2 * RB
+
+
+@triton.jit
+def l2_normalize_rows_to(x, dst_col, rows, n, col_ok, eps, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
+                         RB: tl.constexpr):
+    xn = tl.reshape(l2_normalize_rows(tl.reshape(x.to(tl.float32), [RB * HB, BK]), eps), [RB, HB * BK])
+    tl.store(dst_col + rows * (H * K), xn.to(dst_col.dtype.element_ty), mask=(rows < n) & col_ok[None, :])
 
 
 @triton.jit
 def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, chunk_start, chunk_len, lower_bound, eps,
-                       f_seq_len, f_seq_stride, f_tok_stride, H, K: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
-                       GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
-    """Grid (chunk, head, 1 + 2 * NORM). Part 0: G = cumsum over the chunk of gate(f), in fp32 (f addressed
-    through its strides, see gate_token_offset); with NORM, parts 1 and 2 write the L2-normalised q and k
-    (fp32 math, stored in their dtype).
-    This kernel is bound by memory traffic, so it is shaped for many resident programs per SM: one tensor
-    per program (not all three) and the chunk in blocks of RB rows (the cumsum carries the running sum of
-    the rows before), which keeps the live tiles and their addresses small."""
-    c, h, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                       f_seq_len, f_seq_stride, f_tok_stride, H, K: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
+                       RB: tl.constexpr, RB_NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    """Grid (chunk x group of HB heads, 1 + 2 * NORM). Part 0: G = cumsum over the chunk of gate(f), in fp32 (f
+    addressed through its strides, see gate_token_offset); with NORM, parts 1 and 2 write the L2-normalised q and
+    k (fp32 math, stored in their dtype).
+    Memory-bound, so shaped for few instructions per element and enough loads in flight: one warp a program (launch
+    table), its tile RB rows x HB heads x BK columns (HB * BK = 256), 8 columns a thread (L2 norm: one 16-byte
+    load of bf16 a row; cumsum: two 8-byte runs of f, each stored as 16 bytes of G) and the rows inside each
+    thread. The cumsum over rows is a sequential sum in registers (no shuffles, no shared memory), carried from
+    block to block; a row's L2 norm is a sum over the 16 threads of its head's 128 columns. The head groups of a
+    chunk are neighbouring programs, so programs launched together read whole token rows of q, k and f."""
+    groups = tl.cdiv(H, HB)
+    c, hg, part = tl.program_id(0) // groups, tl.program_id(0) % groups, tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
-    r, d = tl.arange(0, RB), tl.arange(0, BK)
+    col, col_ok = head_group_columns(hg, H, K, BK, HB)
     if part == 0:
-        a = 1.0
-        if HAS_A:
-            a = tl.exp(tl.load(A_log + h).to(tl.float32))
-        bias = tl.zeros([1, BK], dtype=tl.float32)
-        if HAS_BIAS:
-            bias = tl.load(dt_bias + h * K + d, mask=d < K, other=0.0).to(tl.float32)[None, :]
-        carry = tl.zeros([BK], dtype=tl.float32)
-        f_base = gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + h * K
-        for r0 in tl.static_range(0, 64, RB):
-            mask = (r0 + r < n)[:, None] & (d < K)[None, :]
-            offs = (t0 + r0 + r)[:, None] * (H * K) + h * K + d[None, :]
-            x = tl.load(f + f_base + (r0 + r)[:, None] * f_tok_stride + d[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-            g = tl.where(mask, gate_value(x, a, bias, lower_bound, GATE), 0.0)
-            tl.store(G + offs, carry[None, :] + tl.cumsum(g, 0), mask=mask)
-            carry += tl.sum(g, 0)
+        gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, col, col_ok, lower_bound, f_seq_len, f_seq_stride,
+                          f_tok_stride, H, K, HB, BK, RB, GATE, HAS_A, HAS_BIAS)
     else:
         src, dst = q, qn
         if part == 2:
             src, dst = k, kn
-        for r0 in tl.static_range(0, 64, RB):
-            mask = (r0 + r < n)[:, None] & (d < K)[None, :]
-            offs = (t0 + r0 + r)[:, None] * (H * K) + h * K + d[None, :]
-            x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dst + offs, l2_normalize_rows(x, eps).to(dst.dtype.element_ty), mask=mask)
+        l2_normalize_chunk(src, dst, t0, n, col, col_ok, eps, H, K, HB, BK, RB_NORM)

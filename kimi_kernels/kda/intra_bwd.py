@@ -14,7 +14,7 @@ row. It writes dq, dk and the per-token dG (fp32). It is bound by load latency a
 first in program order, the row tiles that the dot results need in their register layout fused into two loads
 (see the kernel), so a program waits on 3 dependent load round trips (sm_90 SASS) where the loop over later row
 blocks with a conversion after each tile load took ~17 (Triton 3.6; ~16 with 3.8).
-`gate_bwd_kernel` (per (K tile, chunk, head)) reverse-sums dG over the chunk into dg and
+`gate_bwd_kernel` (per (chunk, group of heads), one warp) reverse-sums dG over the chunk into dg and
 takes it through the gate. The kernels write per-program partial sums (dbeta over K tiles, dA_log and
 ddt_bias over chunks) that the host adds up: deterministic, no atomics.
 
@@ -31,7 +31,7 @@ their size whatever the factors are, as long as none overflows or (for a product
 import triton
 import triton.language as tl
 
-from kimi_kernels.kda.gate import gate_grads, gate_tile
+from kimi_kernels.kda.gate import gate_grads, gate_parameters, gate_token_offset, head_group_columns
 from kimi_kernels.kda.intra import dot_split, load_tile, row_block, store_tile, to_dot
 
 
@@ -181,35 +181,73 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
 
 @triton.jit
 def gate_bwd_kernel(dG_buf, dlast, f, A_log, dt_bias, dg, dA_parts, ddt_parts, chunk_start, chunk_len,
-                    lower_bound, f_seq_len, f_seq_stride, f_tok_stride, H, K: tl.constexpr, BKT: tl.constexpr,
-                    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+                    lower_bound, f_seq_len, f_seq_stride, f_tok_stride, H, K: tl.constexpr, BK: tl.constexpr,
+                    HB: tl.constexpr, RB: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
     """dg = reverse cumsum over the chunk of dG (plus the last row's share from inter_bwd_kernel), then through
-    the gate activation, with per-program partial sums of the dA_log / ddt_bias terms. f and dg share one layout
-    (strided batch and time dims: gate_token_offset)."""
-    kt, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    the gate activation, with per-program partial sums of the dA_log (per head) / ddt_bias (per column) terms.
+    f and dg share one layout (strided batch and time dims: gate_token_offset).
+    Grid (chunk x group of HB heads, the groups of a chunk neighbours). Memory-bound, so shaped like
+    gate_cumsum_kernel: one warp, its tile RB rows x HB heads x BK columns, 8 consecutive columns a thread (16-byte
+    loads of f and stores of dg, two 16-byte loads of dG) and the rows inside each thread, so the reverse cumsum
+    is a running sum in registers, walked from the chunk's last row to its first (a block's rows in reverse
+    order: Triton's reverse scan took warp shuffles). Two blocks a step, each loaded one block ahead into its own
+    registers (see gate_cumsum_chunk)."""
+    groups = tl.cdiv(H, HB)
+    c, hg = tl.program_id(0) // groups, tl.program_id(0) % groups
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
-    kc = kt * BKT
-    t, d = tl.arange(0, 64), kc + tl.arange(0, BKT)
-    kmask = d < K
-    m2 = (t < n)[:, None] & kmask[None, :]
-    d_g = load_tile(dG_buf, t0, n, h, H, K, kc, BKT)
-    last = tl.load(dlast + (c * H + h) * K + d, mask=kmask, other=0.0)
-    d_g += tl.where(t[:, None] == n - 1, last[None, :], 0.0)
-    d_gate = tl.where(m2, tl.sum(d_g, 0)[None, :] - tl.cumsum(d_g, 0) + d_g, 0.0)
+    col, col_ok = head_group_columns(hg, H, K, BK, HB)
+    col, col_ok = col[None, :], col_ok[None, :]
+    # d(G_last) reaches every row of the chunk: it starts the running sum
+    carry = tl.load(dlast + c * (H * K) + col, mask=col_ok, other=0.0)
+    a, bias = gate_parameters(A_log, dt_bias, col, col_ok, K, HAS_A, HAS_BIAS)
+    sum_da = tl.zeros([1, HB * BK], dtype=tl.float32)  # dA_log terms per column
+    sum_dt = tl.zeros([1, HB * BK], dtype=tl.float32)  # ddt_bias terms per column
+    dG_col = dG_buf + t0.to(tl.int64) * (H * K) + col
+    f_off = gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + col
+    rows = 63 - tl.arange(0, RB)[:, None]  # a block's rows last to first: its forward cumsum is the reverse one
+    d_g0, x0 = gate_bwd_load(dG_col, f + f_off, rows, n, col_ok, H, K, f_tok_stride, GATE)
+    for _ in range(64 // (2 * RB)):
+        d_g1, x1 = gate_bwd_load(dG_col, f + f_off, rows - RB, n, col_ok, H, K, f_tok_stride, GATE)
+        carry, sum_da, sum_dt = gate_bwd_rows(d_g0, x0, dg + f_off, rows, n, col_ok, carry, sum_da, sum_dt, a,
+                                              bias, lower_bound, f_tok_stride, GATE, HAS_A, HAS_BIAS)
+        d_g0, x0 = gate_bwd_load(dG_col, f + f_off, rows - 2 * RB, n, col_ok, H, K, f_tok_stride, GATE)
+        carry, sum_da, sum_dt = gate_bwd_rows(d_g1, x1, dg + f_off, rows - RB, n, col_ok, carry, sum_da, sum_dt,
+                                              a, bias, lower_bound, f_tok_stride, GATE, HAS_A, HAS_BIAS)
+        rows -= 2 * RB
+    if HAS_A:
+        heads = hg * HB + tl.arange(0, HB)
+        tl.store(dA_parts + c * H + heads, tl.sum(tl.reshape(sum_da, [HB, BK]), 1), mask=heads < H)
+    if HAS_BIAS:
+        tl.store(ddt_parts + c * (H * K) + col, sum_dt, mask=col_ok)
+
+
+@triton.jit
+def gate_bwd_load(dG_col, f_col, rows, n, col_ok, H, K: tl.constexpr, f_tok_stride, GATE: tl.constexpr):
+    """dG and the raw gate input f (read only through an activation, GATE != 0) of one block of rows; rows
+    outside [0, n) read as zeros."""
+    mask = (rows >= 0) & (rows < n) & col_ok
+    d_g = tl.load(dG_col + rows * (H * K), mask=mask, other=0.0)
+    x = d_g
     if GATE != 0:
-        x = tl.load(gate_tile(f, t0, n, h, K, kc, BKT, f_seq_len, f_seq_stride, f_tok_stride), boundary_check=(0, 1),
-                    padding_option="zero").to(tl.float32)
-        a = 1.0
+        x = tl.load(f_col + rows * f_tok_stride, mask=mask, other=0.0)
+    return d_g, x
+
+
+@triton.jit
+def gate_bwd_rows(d_g, x, dg_col, rows, n, col_ok, carry, sum_da, sum_dt, a, bias,
+                                                    lower_bound, f_tok_stride,
+                  GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Stores dg for one block of rows (last to first); returns the running sum after it and the partial sums."""
+    mask = (rows >= 0) & (rows < n) & col_ok
+    d_gate = tl.where(mask, carry + tl.cumsum(d_g, 0), 0.0)
+    carry += tl.sum(d_g, 0, keep_dims=True)
+    if GATE != 0:
+        dg_dx, dg_da = gate_grads(x.to(tl.float32), a, bias, lower_bound, GATE)
         if HAS_A:
-            a = tl.exp(tl.load(A_log + h).to(tl.float32))
-        bias = tl.zeros([1, BKT], dtype=tl.float32)
+            sum_da += tl.sum(d_gate * dg_da, 0, keep_dims=True)
+        d_gate = d_gate * dg_dx
         if HAS_BIAS:
-            bias = tl.load(dt_bias + h * K + d, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        dg_dx, dg_da = gate_grads(x, a, bias, lower_bound, GATE)
-        if HAS_A:
-            tl.store(dA_parts + (c * H + h) * tl.num_programs(0) + kt, tl.sum(tl.sum(d_gate * dg_da, 1), 0))
-        d_gate = tl.where(m2, d_gate * dg_dx, 0.0)
-        if HAS_BIAS:
-            tl.store(ddt_parts + (c * H + h) * K + d, tl.sum(d_gate, 0), mask=kmask)
-    tl.store(gate_tile(dg, t0, n, h, K, kc, BKT, f_seq_len, f_seq_stride, f_tok_stride),
-             d_gate.to(dg.dtype.element_ty), boundary_check=(0, 1))
+            sum_dt += tl.sum(d_gate, 0, keep_dims=True)
+    tl.store(dg_col + rows * f_tok_stride, d_gate.to(dg_col.dtype.element_ty), mask=mask)
+    return carry, sum_da, sum_dt

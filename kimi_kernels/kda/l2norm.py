@@ -1,8 +1,9 @@
 """L2 normalisation of q and k per (token, head) row, as F.normalize(x.float(), dim=-1, eps=1e-6).
 
-The forward is fused into gate_cumsum_kernel (gate.py: same [64, K] chunk tiles); the backward is one
+The forward is fused into gate_cumsum_kernel (gate.py: its programs for q and k); the backward is one
 kernel per tensor that recomputes the norm from x in fp32 and writes dx in x's dtype, so neither the
-normalised copies nor fp32 gradients go through PyTorch ops.
+normalised copies nor fp32 gradients go through PyTorch ops. The backward runs at HBM bandwidth (docs/kda.md,
+memory-bound passes): 32 rows per 4-warp program, all of its 16-byte loads issued before the first use.
 """
 
 import triton

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                                 reason="needs the compiling JIT, not the interpreter")
 
 D = 128
-POINTER_FP32 = {"G", "Ainv", "A_log", "dt_bias", "h0", "ht", "dht", "dh0", "dq", "dk", "dxn", "dbeta_parts",
+POINTER_FP32 = {"G", "dG_buf", "Ainv", "A_log", "dt_bias", "h0", "ht", "dht", "dh0", "dq", "dk", "dxn", "dbeta_parts",
                 "dA_parts", "ddt_parts", "pq", "pk", "pG", "dlast", "starts"}
 INTS = {"H", "part_stride", "part_offset", "rows", "f_seq_len", "f_seq_stride", "f_tok_stride"}
 FLOATS = {"scale", "lower_bound", "eps"}
@@ -47,7 +47,8 @@ def kernel_cases():
     narrow, middle, wide = chunk.STATE_CONFIGS
     gate = dict(GATE=GATE_LOWER_BOUND, HAS_A=True, HAS_BIAS=True)
     return {
-        "gate_cumsum": (gate_cumsum_kernel, dict(K=D, BK=D, NORM=True, **gate), chunk.GATE_CONFIG),
+        "gate_cumsum": (gate_cumsum_kernel, dict(K=D, BK=D, HB=chunk.heads_per_program(chunk.GATE_CONFIG, D), NORM=True,
+                                                 **gate), chunk.GATE_CONFIG),
         "intra_fwd": (intra_fwd_kernel, dict(dims, SAFE_GATE=True, KS=chunk.KS), chunk.INTRA_FWD_CONFIG),
         "walk_operands": (walk_operands_kernel, dict(K=D, BK=D), chunk.WALK_OPERANDS_CONFIG),
         "state_fwd_bv16": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), narrow),
@@ -63,7 +64,8 @@ def kernel_cases():
                           chunk.DQK_CONFIG),
         "intra_bwd_dqk_per_position": (intra_bwd_dqk_kernel, dict(K=D, BKT=chunk.BKT, SAFE_GATE=False, DOT_BF16=True),
                                        chunk.DQK_CONFIG),
-        "gate_bwd": (gate_bwd_kernel, dict(K=D, BKT=chunk.BKT, **gate), chunk.GATE_BWD_CONFIG),
+        "gate_bwd": (gate_bwd_kernel, dict(K=D, BK=D, HB=chunk.heads_per_program(chunk.GATE_BWD_CONFIG, D), **gate),
+                     chunk.GATE_BWD_CONFIG),
         "l2norm_bwd": (l2norm_bwd_kernel, dict(K=D, BK=D, BR=chunk.L2_ROWS), {}),
     }
 
@@ -82,19 +84,64 @@ NAMES = ["gate_cumsum", "intra_fwd", "walk_operands", "state_fwd_bv16", "state_f
          "intra_bwd_dqk_per_position", "gate_bwd", "l2norm_bwd"]
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_kda_kernel_compiles_for_hopper_without_spills(name):
+# Integer arguments the launcher specializes as multiples of 16 at B4 T8192 H32 D128 (a token's H x K gate values:
+# 4096), for the gate kernels whose 16-byte row accesses depend on them (other kernels: pointers only, as measured).
+ALIGNED_INTS = {"gate_cumsum": ("H", "f_seq_len", "f_seq_stride", "f_tok_stride"),
+                "gate_bwd": ("H", "f_seq_len", "f_seq_stride", "f_tok_stride")}
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg", "COLS")  # launch-table keys that are not constexprs
+
+
+def compile_case(name):
     from kimi_kernels._compile_check import compile_for, resources
 
     kernel, constexprs, config = kernel_cases()[name]
-    options = ("num_warps", "num_stages", "maxnreg")
-    constexprs = {**constexprs, **{k: v for k, v in config.items() if k not in options}}
+    constexprs = {**constexprs, **{k: v for k, v in config.items() if k not in LAUNCH_OPTIONS}}
     sig = signature(kernel, constexprs)
-    pointers = tuple(name for name, kind in sig.items() if kind.startswith("*"))
+    aligned = tuple(name for name, kind in sig.items() if kind.startswith("*")) + ALIGNED_INTS.get(name, ())
     compiled = compile_for(kernel, sig, constexprs, num_warps=config.get("num_warps", 4),
-                           num_stages=config.get("num_stages", 3), aligned=pointers, maxnreg=config.get("maxnreg"))
-    used = resources(compiled)
+                           num_stages=config.get("num_stages", 3), aligned=aligned, maxnreg=config.get("maxnreg"))
+    return compiled, resources(compiled), config
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_kda_kernel_compiles_for_hopper_without_spills(name):
+    compiled, used, _ = compile_case(name)
     assert "cubin" in compiled.asm
     allowed = SPILL_ALLOWANCE.get(name, 0)
     assert used.spill_stores <= allowed and used.spill_loads <= allowed, f"{name}: {used}"
     assert used.registers <= MAX_REGISTERS.get(name, 255), f"{name}: {used}"
+
+
+# PTX memory accesses of the gate kernels at D = 128 (2 heads x 128 columns a program, 8 a thread): the chunk loops
+# run two blocks a step, after one block loaded ahead. ld.global.v2.b32 is 4 bf16 (8 bytes), ld/st.global.v4.b32
+# 8 bf16 or 4 fp32 (16 bytes); 3 loads of a block = one ahead + two in the loop.
+GATE_ACCESSES = {
+    # f: 2 x 8 bytes a row (blocks of RB = 4 rows); q or k: 16 bytes a row (RB_NORM = 8), + dt_bias; G: 2 x 16 bytes
+    # a row, qn / kn 16 bytes a row
+    "gate_cumsum": {"ld.global.v2.b32": 3 * 4 * 2, "ld.global.v4.b32": 3 * 8 + 2,
+                    "st.global.v4.b32": 2 * 4 * 2 + 2 * 8},
+    # dG: 2 x 16 bytes a row, f: 16 bytes a row (blocks of RB = 2 rows), + dlast, dt_bias; dg: 16 bytes a row, +
+    # the ddt_bias partial sums
+    "gate_bwd": {"ld.global.v4.b32": 3 * 2 * 3 + 2 + 2, "st.global.v4.b32": 2 * 2 + 2},
+}
+
+
+@pytest.mark.parametrize("name", ["gate_cumsum", "gate_bwd"])
+def test_gate_kernels_stream_wide_vectors_in_thread(name):
+    """The gate kernels move rows in 8- and 16-byte vectors, scan the chunk inside each thread (no shuffles up
+    the rows, no layout conversion by warp shuffles in the loops), and keep to the launch table's register cap,
+    which fixes the programs per SM (16 one-warp programs at 128 registers). Triton 3.6 and 3.8 give the same
+    access counts."""
+    import re
+
+    compiled, used, config = compile_case(name)
+    ptx = compiled.asm["ptx"]
+    count = lambda op: len(re.findall(re.escape(op) + r"\s", ptx))  # noqa: E731
+    for op, expected in GATE_ACCESSES[name].items():
+        assert count(op) == expected, (op, count(op))
+    assert count("ld.global.b16") == 0 and count("st.global.b16") == 0  # no unvectorised bf16 access
+    assert "shfl.sync.up" not in ptx  # the cumsum is not a cross-lane scan
+    if name == "gate_cumsum":  # (gate_bwd's once-per-program dA_log sum per head converts through shuffles
+        # under 3.8, through shared memory under 3.6)
+        assert "shfl.sync.idx" not in ptx
+    assert used.registers <= config["maxnreg"] and 65536 // (used.registers * 32 * config["num_warps"]) >= 16
