@@ -1,5 +1,5 @@
 """Benchmark our chunk_kda against fla's (bf16, one GPU): correctness, first-call time, median fwd and fwd+bwd,
-per-kernel breakdown. Prints a table last and writes JSON rows to --out.
+per-kernel breakdowns of both (fwd+bwd, and the forward alone). Prints a table last and writes JSON rows to --out.
 
 fla 0.6.0 refuses some gated backward kernels on Hopper with triton < 3.7.1 (a flag check in
 fla.ops.common.chunk_o). Should its KDA backward raise that error, the flag is switched on for the
@@ -87,14 +87,24 @@ def bench(fn, x, gate, extra=None):
     return out
 
 
-def kernel_breakdown(x, gate):
-    """CUDA time per kernel name over one fwd+bwd of ours (torch profiler), in ms."""
+def kernel_breakdown(fn, x, gate, extra=None, backward=True):
+    """CUDA time per kernel name over one call of fn (torch profiler), in ms: fwd+bwd, or the forward alone under
+    no_grad (what inference runs; fla's backward re-runs some forward kernels, so the fwd+bwd table alone cannot
+    split its forward out)."""
     do = torch.randn_like(x["v"])
-    call(chunk_kda, x, gate).backward(do)
+
+    def once():
+        if backward:
+            call(fn, x, gate, extra).backward(do)
+        else:
+            with torch.no_grad():
+                call(fn, x, gate, extra)
+
+    once()
     for t in x.values():  # else the profiled backward adds into the warm-up's grads (elementwise adds)
         t.grad = None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call(chunk_kda, x, gate).backward(do)
+        once()
         torch.cuda.synchronize()
     rows = {}
     for e in prof.key_averages():
@@ -134,7 +144,9 @@ def main():
     correctness = check_correctness(fla_kda)
     print("correctness (relative max error, bf16):", json.dumps(correctness, indent=1), flush=True)
     shapes = SHAPES if args.shapes == "all" else [SHAPES[int(i)] for i in args.shapes.split(",")]
-    rows, breakdowns = [], {}
+    rows = []
+    breakdowns = {"kernel_breakdown_ms": {}, "kernel_breakdown_fwd_ms": {}, "fla_kernel_breakdown_ms": {},
+                  "fla_kernel_breakdown_fwd_ms": {}}  # per shape; fla's only where fla ran
     for B, T, H, D in shapes:
         x = make_inputs(B, T, H, D)
         ours = bench(chunk_kda, x, "lower_bound")
@@ -146,13 +158,19 @@ def main():
                    ours_first_call_ms=ours["first_call_ms"], fla_first_call_ms=fla.get("first_call_ms"),
                    fla_note=note, device=device, date=date)
         rows.append(row)
-        breakdowns[f"B{B}_T{T}_H{H}_D{D}"] = kernel_breakdown(x, "lower_bound")
+        shape = f"B{B}_T{T}_H{H}_D{D}"
+        for prefix, fn, extra in [("", chunk_kda, None)] + ([("fla_", fla_kda, dict(safe_gate=True))] if fla else []):
+            breakdowns[f"{prefix}kernel_breakdown_ms"][shape] = kernel_breakdown(fn, x, "lower_bound", extra)
+            breakdowns[f"{prefix}kernel_breakdown_fwd_ms"][shape] = kernel_breakdown(fn, x, "lower_bound", extra,
+                                                                                     backward=False)
         print(json.dumps(row), flush=True)
-        print("per-kernel ms (ours, fwd+bwd):", json.dumps(breakdowns[f"B{B}_T{T}_H{H}_D{D}"], indent=1), flush=True)
+        for key, table in breakdowns.items():
+            if shape in table:
+                print(f"{key}:", json.dumps(table[shape], indent=1), flush=True)
         del x
         torch.cuda.empty_cache()
         with open(args.out, "w") as fh:  # after every shape, so a run cut short still leaves its rows
-            json.dump(dict(rows=rows, correctness=correctness, kernel_breakdown_ms=breakdowns), fh, indent=1)
+            json.dump(dict(rows=rows, correctness=correctness, **breakdowns), fh, indent=1)
     print(f"\n{'shape':<22}{'ours fwd':>10}{'fla fwd':>10}{'ours f+b':>10}{'fla f+b':>10}{'softplus f+b':>14}"
           f"{'speedup f+b':>12}")
     for r in rows:
