@@ -235,8 +235,7 @@ def gate_bwd_load(dG_col, f_col, rows, n, col_ok, H, K: tl.constexpr, f_tok_stri
 
 
 @triton.jit
-def gate_bwd_rows(d_g, x, dg_col, rows, n, col_ok, carry, sum_da, sum_dt, a, bias,
-                                                    lower_bound, f_tok_stride,
+def gate_bwd_rows(d_g, x, dg_col, rows, n, col_ok, carry, sum_da, sum_dt, a, bias, lower_bound, f_tok_stride,
                   GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Stores dg for one block of rows (last to first); returns the running sum after it and the partial sums."""
     mask = (rows >= 0) & (rows < n) & col_ok
