@@ -1,6 +1,7 @@
 """Correctness patches to Megatron-Core 0.19.2's checkpoints (the third and last patch module, beside
 ``megatron_ext/cpu_compat.py`` and ``megatron_ext/speed_patches.py``): the optimizer's sharded state and, last,
-the writer's results queue (:func:`keep_write_results_in_process`).
+the writer's results queue (:func:`keep_write_results_in_process`) and a deprecation line it logs for
+synchronous saves (:func:`quiet_sync_save_deprecation`).
 
 ``Float16OptimizerWithFloat16Params.sharded_state_dict`` (Megatron's mixed-precision optimizer without the
 distributed optimizer) matches the inner optimizer's parameters to the model's sharded tensors by position: it
@@ -181,3 +182,15 @@ def keep_write_results_in_process() -> None:
 
     if filesystem_async._results_queue is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+def quiet_sync_save_deprecation() -> None:
+    """Keep Megatron's "MCore's async save is deprecated" warning out of synchronous saves.
+
+    ``TorchDistSaveShardedStrategy.save`` (the synchronous save, ours) runs through ``async_save(...,
+    async_strategy="mcore")`` and ``execute_sync``, so the first save of every rank logs that async save is
+    deprecated and to switch to NVRx: wrong for a job that saves synchronously, and one line per rank. The line is
+    guarded by a module flag, set here as if it had been logged; an async save of ours would need it back."""
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    torch_strategy._logged_mcore_async_deprecation = True

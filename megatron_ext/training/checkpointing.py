@@ -189,6 +189,7 @@ def save_checkpoint(
 
     _require_process_group("save_checkpoint")
     checkpoint_fixes.keep_write_results_in_process()  # no Manager process per rank (see there)
+    checkpoint_fixes.quiet_sync_save_deprecation()  # not an async save
     if not torch.cuda.is_available():
         # dist_checkpointing's writer calls torch.cuda.synchronize() after its device-to-host
         # copies (filesystem_async.preload_tensors); cpu_compat makes that a no-op on the CPU.

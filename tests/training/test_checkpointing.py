@@ -251,3 +251,24 @@ def test_the_structural_model_keys_are_model_config_keys():
     saved = {"num_layers": 4, "hidden_size": 64, "lr": 0.1, "tensor_model_parallel_size": 1}
     now = {"num_layers": 4, "hidden_size": 32, "lr": 0.2, "tensor_model_parallel_size": 2}
     assert model_differences(saved, now) == ["hidden_size: 64 in the checkpoint, 32 now"]
+
+
+def _save_with_log(rank, world, save_dir):
+    import logging
+
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    torch_strategy._logged_mcore_async_deprecation = False  # as in a fresh process
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger(torch_strategy.__name__).addHandler(handler)
+    _save_worker(rank, world, save_dir, 3, 1)
+    return [record.getMessage() for record in records]
+
+
+def test_a_synchronous_save_logs_no_async_deprecation(tmp_path):
+    """Megatron's synchronous save goes through its async path and would log "MCore's async save is deprecated"
+    on every rank (megatron_ext.checkpoint_fixes.quiet_sync_save_deprecation)."""
+    logged = run_distributed(_save_with_log, 2, str(tmp_path / "ckpt"))
+    assert not [m for messages in logged for m in messages if "async save is deprecated" in m], logged
