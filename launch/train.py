@@ -109,7 +109,6 @@ def main(argv=None) -> None:
     init_distributed()
 
     from megatron.core import parallel_state as ps
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_ext.data.build import build_data_iterators
     from megatron_ext.flops import model_flops_per_token
@@ -124,6 +123,7 @@ def main(argv=None) -> None:
     from megatron_ext.training.manual_gc import manual_gc
     from megatron_ext.training.metrics_log import MetricsLogger
     from megatron_ext.training.nonfinite_guard import NonFiniteGuard
+    from megatron_ext.training.schedule import build_scheduler, check_schedule, load_optimizer_and_schedule
     from megatron_ext.training.step import forward_backward
 
     if ckpt_cfg.save:  # before any work: an unusable --save fails now, not at the first save
@@ -149,19 +149,7 @@ def main(argv=None) -> None:
         bf16=train.bf16,
         use_distributed_optimizer=par.use_distributed_optimizer,
     )
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=train.lr,
-        min_lr=train.min_lr,
-        lr_warmup_steps=train.lr_warmup_iters,
-        lr_decay_steps=train.lr_decay_iters or train.train_iters,
-        lr_decay_style=train.lr_decay_style,
-        start_wd=train.weight_decay,
-        end_wd=train.weight_decay,
-        wd_incr_steps=train.train_iters,
-        wd_incr_style="constant",
-    )
+    scheduler = build_scheduler(optimizer, train)
     step_graph = (StepGraph(chunks, train.seq_length, train.micro_batch_size, stream=graph_stream, log=log0)
                   if train.cuda_graph_step else None)
     guard = NonFiniteGuard(optimizer, loss_group=ps.get_pipeline_model_parallel_group(),
@@ -182,11 +170,17 @@ def main(argv=None) -> None:
     iteration, consumed, resumed = 0, 0, False
     if ckpt_cfg.load:
         current_config = cfg.to_dict()
+
+        def check_resume(path, common):  # before the tensors are read
+            check_same_model(path, common.get("config"), current_config)
+            if not ckpt_cfg.no_load_optim:
+                check_schedule(scheduler, common.get("scheduler"), ckpt_cfg, path)
+
         loaded = load_checkpoint(
             ckpt_cfg.load,
             lambda: sharded_state(True, not ckpt_cfg.no_load_optim),  # built only when there is a checkpoint
             load_rng=not ckpt_cfg.no_load_rng,
-            check_common=lambda path, common: check_same_model(path, common.get("config"), current_config),
+            check_common=lambda path, common: check_resume(path, common),
             log=log0,
         )
         if loaded is None:
@@ -196,9 +190,8 @@ def main(argv=None) -> None:
             for i, c in enumerate(chunks):
                 c.module.load_state_dict(state[f"model{i}"])
             if not ckpt_cfg.no_load_optim:
-                optimizer.load_state_dict(state["optimizer"])
-            if "scheduler" in common and not ckpt_cfg.no_load_optim:
-                scheduler.load_state_dict(common["scheduler"])
+                load_optimizer_and_schedule(optimizer, scheduler, state["optimizer"], common.get("scheduler"),
+                                            ckpt_cfg, ckpt_cfg.load, log=log0)
             iteration, consumed, resumed = common["iteration"], common["consumed_samples"], True
             log0(f"> resumed from {ckpt_cfg.load} at iteration {iteration}")
     last_saved = iteration if resumed else None

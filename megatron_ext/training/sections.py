@@ -164,8 +164,14 @@ class CheckpointConfig:
     no_load_rng: bool = False
     # SIGTERM/SIGINT: finish the step, save to `save`, exit 0 (megatron_ext/training/exit_signal.py).
     exit_signal_handler: bool = True
+    # A resumed job whose LR schedule (lr, min_lr, warm-up, decay) differs from the checkpoint's stops unless one
+    # of these says which wins (Megatron-LM's flags; megatron_ext/training/schedule.py).
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
 
     def __post_init__(self):
+        _require(not (self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler),
+                 "override_opt_param_scheduler", "and use_checkpoint_opt_param_scheduler: set at most one")
         si = self.save_interval
         _require(si is None or si >= 1, "save_interval", f"must be >= 1 or null, got {si}")
         keep = self.keep_last_checkpoints
