@@ -28,7 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ext import cpu_compat  # noqa: E402
-from megatron_ext.errors import ConfigError  # noqa: E402
+from megatron_ext.errors import ConfigError, DataError  # noqa: E402
 from megatron_ext.training.arguments import (  # noqa: E402
     TRAINING_SECTIONS,
     CheckpointConfig,
@@ -369,7 +369,7 @@ if __name__ == "__main__":
 
     try:
         main()
-    except ConfigError as exc:  # a bad key or value (or a checkpoint of another model): no traceback
+    except (ConfigError, DataError) as exc:  # a bad key, value or data file (or a checkpoint of another model)
         _fail(exc, 2)
     except (DamagedCheckpointError, TooManySkippedSteps) as exc:
         _fail(exc, 1)

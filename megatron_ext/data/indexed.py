@@ -17,14 +17,16 @@ from typing import Optional
 
 import numpy as np
 
+from megatron_ext.errors import DataError
+
 _MAGIC = b"MMIDIDX\x00\x00"
 _HEADER_BYTES = 9 + 8 + 1 + 8 + 8  # magic, version, dtype code, sequence count, document count
 # Megatron's DType codes -> item size in bytes.
 _ITEM_SIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 8, 8: 2}
 
 
-class DataFileError(ValueError):
-    """A missing, truncated or corrupt data file."""
+class DataFileError(DataError):
+    """A missing, truncated or corrupt ``.bin`` / ``.idx`` file."""
 
 
 def check_indexed_dataset(prefix: str) -> dict:

@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from megatron_ext.errors import DataError
+
 
 class ByteTokenizer:
     """Ids 0..255 are the UTF-8 bytes of the text; id 256 is EOD. ``vocab_size`` = 257."""
@@ -47,11 +49,11 @@ class JsonFileTokenizer:
                 "pip install tokenizers (or pip install kimi-megatron[tokenizers])"
             ) from None
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer file {path} does not exist")
+            raise DataError(f"tokenizer_json: tokenizer file {path} does not exist")
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as exc:
-            raise ValueError(f"tokenizer file {path} is not a valid tokenizer.json: {exc}") from None
+            raise DataError(f"tokenizer_json: {path} is not a valid tokenizer.json: {exc}") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         candidates = (eod_token,) if eod_token else _EOD_CANDIDATES
         for name in candidates:
@@ -60,7 +62,7 @@ class JsonFileTokenizer:
                 self.eod = token_id
                 break
         else:
-            raise ValueError(f"tokenizer file {path} has no end-of-document token; "
+            raise DataError(f"tokenizer_json: {path} has no end-of-document token; "
                              f"looked for {', '.join(candidates)}")
         self.unique_identifiers = {"class": "JsonFileTokenizer", "path": os.path.abspath(path),
                                    "vocab_size": self.vocab_size, "eod": self.eod}
