@@ -180,7 +180,7 @@ def main(argv=None) -> None:
             ckpt_cfg.load,
             lambda: sharded_state(True, not ckpt_cfg.no_load_optim),  # built only when there is a checkpoint
             load_rng=not ckpt_cfg.no_load_rng,
-            check_common=lambda path, common: check_resume(path, common),
+            check_common=check_resume,
             log=log0,
         )
         if loaded is None:

@@ -14,7 +14,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.errors import ConfigError
 
-# Scheduler state key -> the config key that sets it (launch/train.py: build_scheduler).
+# Scheduler state key -> the config key that sets it (build_scheduler).
 CONFIG_KEY_OF = {
     "max_lr": "lr",
     "min_lr": "min_lr",
