@@ -1,8 +1,8 @@
 """The training job under faults (torchrun, gloo, CPU): what a cluster job meets, and what it must do.
 
 Self-resuming directories, diverging steps, SIGTERM, damaged checkpoints, a checkpoint of another model,
-an unwritable --save, a missing data file, and a killed rank (launch/torchrun.sh restarts the job). Metrics must hold every
-iteration once after a resume (``losses_of`` checks it).
+an unwritable --save, a missing data file, and a killed rank (launch/torchrun.sh restarts the job). Metrics must
+hold every iteration once after a resume (``losses_of`` checks it).
 """
 
 import os
@@ -191,7 +191,6 @@ def test_an_unwritable_save_dir_fails_at_start(tmp_path):
     assert "training from iteration" not in result.stdout and time.monotonic() - started < 120
 
 
-
 @pytest.mark.parametrize("flags,named", [
     (["--data-path", "{tmp}/nope"], "error: {tmp}/nope.idx: missing (data_path entries are prefixes"),
     (["--tokenizer-json", "{tmp}/nope.json"], "error: tokenizer_json: tokenizer file {tmp}/nope.json does not exist"),
@@ -203,7 +202,7 @@ def test_a_missing_data_file_fails_in_one_line_naming_it(tmp_path, flags, named)
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 2, _output(result)[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [e for e in errors if e.startswith(named.format(tmp=tmp_path))] and len(errors) == 1, errors
+    assert len(errors) == 1 and errors[0].startswith(named.format(tmp=tmp_path)), errors
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 def _children(pid: int) -> list[int]:
