@@ -4,9 +4,10 @@ Data flow for one layer (``H_l`` = KDA heads on this TP rank, ``K`` = ``V`` = he
 ``s`` = full sequence, ``s_l`` = the local shard under sequence parallelism, else ``s``)::
 
     x [s_l, b, h]
-      q/k/v = ColumnParallel(x) [s, b, H_l*K]  -> causal depthwise conv + SiLU -> [b, s, H_l, K]
+      x_s   = x all-gathered over the sequence, once (under SP; else x)      [s, b, h]
+      q/k/v = ColumnParallel(x_s) [s, b, H_l*K] -> causal depthwise conv + SiLU -> [b, s, H_l, K]
       f     = up(down(x))       [s, b, H_l*K]  (low-rank, raw gate input)     -> [b, s, H_l, K] view
-      beta  = sigmoid(ColumnParallel(x))       [s, b, H_l]                     -> [b, s, H_l]
+      beta  = sigmoid(ColumnParallel(x_s))     [s, b, H_l]                     -> [b, s, H_l]
       o     = KDA(q, k, v, f, beta; A_log, dt_bias)   gate + q/k L2 norm in the kernel  [b, s, H_l, V]
       o     = RMSNorm_V(o) * sigmoid(up(down(x)))     per head, weight [V] shared by heads  -> [s, b, H_l, V]
       out   = RowParallel(o [s, b, H_l*V])  -> [s_l, b, h]  (reduce-scatter under SP)
@@ -14,6 +15,14 @@ Data flow for one layer (``H_l`` = KDA heads on this TP rank, ``K`` = ``V`` = he
 The kernels work batch-first, Megatron sequence-first: the layout changes ride on kernels that read through
 strides (the conv's store, the gate kernels' reads of f and writes of df, the norm's reads of o and writes of do),
 so no activation or gradient of this layer is copied only to change its layout.
+
+Under TP the four projections of x (q, k, v, beta) share one all-gather in forward and one reduce-scatter
+(without SP: one all-reduce) of their summed input gradient in backward, as attention's fused QKV
+projection does. Each Megatron linear on its own would gather x in forward, gather it again and
+reduce-scatter its gradient in backward: 4 + 8 hidden-wide collectives under SP become 1 + 1 (without SP,
+4 backward all-reduces become 1). The price: the gathered x is kept for the weight gradients, ``(tp - 1)
+/ tp`` of ``s*b*h`` more activation memory per layer. The low-rank down projections run on the shard and
+gather rank-sized activations (see lowrank.py).
 """
 
 from __future__ import annotations
@@ -32,7 +41,13 @@ from megatron_ext.config import ConfigError
 from megatron_ext.kda.conv import CausalShortConv
 from megatron_ext.kda.core import kda_core
 from megatron_ext.kda.lowrank import LowRankProjection
-from megatron_ext.kda.sharding import TPShardedModule, head_split_parameter, param_device
+from megatron_ext.kda.sharding import (
+    TPShardedModule,
+    full_sequence,
+    head_split_parameter,
+    on_full_sequence,
+    param_device,
+)
 
 # Kimi Linear / fla initialisation of the decay parameters.
 A_RANGE = (1.0, 16.0)  # A = exp(A_log) ~ U(1, 16) per head
@@ -104,11 +119,11 @@ class KDAAttention(TPShardedModule):
         self.lower_bound = config.kda_gate_lower_bound if config.kda_gate == "lower_bound" else None
         hidden, key_dim = config.hidden_size, dims.num_heads * dims.head_dim
 
-        def column(out: int, bias: bool = False):
-            return submodules.column_linear(
+        def column(out: int):  # reads full_sequence(x), gathered once for all four
+            return on_full_sequence(submodules.column_linear(
                 hidden, out, config=config, init_method=config.init_method, gather_output=False,
-                bias=bias, skip_bias_add=False, tp_group=self.tp_group,
-            )
+                bias=False, skip_bias_add=False, tp_group=self.tp_group,
+            ))
 
         self.q_proj, self.k_proj, self.v_proj = column(key_dim), column(key_dim), column(key_dim)
         self.q_conv, self.k_conv, self.v_conv = (
@@ -167,13 +182,14 @@ class KDAAttention(TPShardedModule):
         if inference_context is not None:
             raise NotImplementedError("KDAAttention has no inference (recurrent state) path yet")
         # The causal mask is implicit in the recurrence; attention_mask is ignored.
-        q = self._heads(self.q_conv(self.q_proj(hidden_states)[0]))
-        k = self._heads(self.k_conv(self.k_proj(hidden_states)[0]))
-        v = self._heads(self.v_conv(self.v_proj(hidden_states)[0]))
-        f = self._heads(self.f_proj(hidden_states).transpose(0, 1))
+        x = full_sequence(hidden_states, self.config.sequence_parallel, self.tp_group)  # [s, b, h]
+        q = self._heads(self.q_conv(self.q_proj(x)[0]))
+        k = self._heads(self.k_conv(self.k_proj(x)[0]))
+        v = self._heads(self.v_conv(self.v_proj(x)[0]))
+        f = self._heads(self.f_proj(hidden_states).transpose(0, 1))  # down on the shard, up gathers
         # fp32 sigmoid, then the cast to q's dtype and the [b, s] layout in one copy (.to returns
         # its input when the dtype already matches: .contiguous() then makes the copy).
-        beta = torch.sigmoid(self.b_proj(hidden_states)[0].float()).transpose(0, 1).to(
+        beta = torch.sigmoid(self.b_proj(x)[0].float()).transpose(0, 1).to(
             q.dtype, memory_format=torch.contiguous_format).contiguous()
         o = kda_core(q, k, v, f, beta, self.A_log, self.dt_bias, self.lower_bound)  # [b, s, H_l, V]
         gate = self._heads(self.g_proj(hidden_states))  # [s, b, H_l, V]

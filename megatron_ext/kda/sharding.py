@@ -12,6 +12,10 @@ from __future__ import annotations
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
@@ -28,6 +32,30 @@ def param_device(config) -> torch.device:
     if config.use_cpu_initialization or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def full_sequence(x: torch.Tensor, sequence_parallel: bool, tp_group) -> torch.Tensor:
+    """``x`` for column-parallel heads that each read all of it: all-gathered over the sequence under
+    sequence parallelism (reduce-scatter of the summed gradient in backward), else as it is (one
+    all-reduce of the summed gradient in backward). One call serves every projection of ``x``."""
+    if get_pg_size(tp_group) == 1:
+        return x
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group=tp_group)
+    return copy_to_tensor_model_parallel_region(x, group=tp_group)
+
+
+def on_full_sequence(linear):
+    """Make a Megatron ``ColumnParallelLinear`` take an input that :func:`full_sequence` already
+    prepared: no all-gather in its forward, no reduction of its input gradient in backward.
+
+    ``disable_grad_reduce`` is the constructor's switch for the reduction; the all-gather follows the
+    layer's ``sequence_parallel`` attribute (set from the config at construction), turned off here.
+    """
+    linear.disable_grad_reduce = True
+    linear.allreduce_dgrad = False
+    linear.sequence_parallel = False
+    return linear
 
 
 def head_split_parameter(global_values: torch.Tensor, tp_group, device, dtype) -> torch.nn.Parameter:

@@ -26,16 +26,12 @@ from dataclasses import dataclass
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.utils import get_pg_size
 
 from megatron_ext.config import ConfigError
 from megatron_ext.kda.lowrank import ReplicatedLinear
-from megatron_ext.kda.sharding import TPShardedModule
+from megatron_ext.kda.sharding import TPShardedModule, full_sequence
 from megatron_ext.layers.attention import SDPAttention
 from megatron_ext.layers.norm import RMSNorm
 
@@ -115,14 +111,6 @@ class MLAttention(TPShardedModule):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True, tp_group=self.tp_group,
         )
 
-    def _full_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` replicated over TP ranks whose heads each read it (all-gathered under SP)."""
-        if get_pg_size(self.tp_group) == 1:
-            return x
-        if self.config.sequence_parallel:
-            return gather_from_sequence_parallel_region(x, group=self.tp_group)
-        return copy_to_tensor_model_parallel_region(x, group=self.tp_group)
-
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
                 **_unused):  # rotary embeddings, attention_bias: MLA here is NoPE
         if packed_seq_params is not None:
@@ -136,7 +124,7 @@ class MLAttention(TPShardedModule):
         latent, shared = self.kv_a_proj(hidden_states).split([d.kv_lora_rank, d.shared_dim], dim=-1)
         kv, _ = self.kv_b_proj(self.kv_a_norm(latent))
         k_nope, v = kv.view(s, b, d.local_heads, d.nope_dim + d.v_dim).split([d.nope_dim, d.v_dim], dim=-1)
-        shared = self._full_sequence(shared)
+        shared = full_sequence(shared, self.config.sequence_parallel, self.tp_group)
         k = torch.cat([k_nope, shared.unsqueeze(2).expand(s, b, d.local_heads, d.shared_dim)], dim=-1)
         o = self.core_attention(q, k, v.contiguous())  # [s, b, H_l * dv]
         return self.o_proj(o)

@@ -7,7 +7,9 @@ same model. Gradients come back keyed by checkpoint key and global slice.
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -43,8 +45,8 @@ def _inputs():
     return x, torch.randn(SEQ, BATCH, HIDDEN, generator=g)
 
 
-def _run_layer(layer, x, cotangent, sequence_parallel: bool):
-    """Forward/backward on this rank's part of the input; grads reduced as finalize_model_grads does."""
+def _forward_backward(layer, x, cotangent, sequence_parallel: bool):
+    """Forward/backward on this rank's part of the input: ``(output, input)``."""
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     if sequence_parallel:
         shard = slice(rank * SEQ // tp, (rank + 1) * SEQ // tp)
@@ -53,6 +55,12 @@ def _run_layer(layer, x, cotangent, sequence_parallel: bool):
     out, bias = layer(x)
     assert bias is None
     (out * cotangent).sum().backward()
+    return out, x
+
+
+def _run_layer(layer, x, cotangent, sequence_parallel: bool):
+    """Forward/backward on this rank's part of the input; grads reduced as finalize_model_grads does."""
+    out, x = _forward_backward(layer, x, cotangent, sequence_parallel)
     for p in layer.parameters():
         if sequence_parallel and getattr(p, "sequence_parallel", False):
             dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
@@ -82,4 +90,44 @@ def layer_tensor_parallel(rank, world_size, ckpt_dir: str, kind: str = "K"):
         layer = _layer(world_size, sp, kind)
         layer.load_state_dict(dist_checkpointing.load(layer.sharded_state_dict(), ckpt_dir))
         results[sp] = _run_layer(layer, *_inputs(), sequence_parallel=sp)
+    return results
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count the TP collectives Megatron's mappings and linears issue, keyed ``(kind, last dim)``."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    counts = Counter()
+
+    def counting(kind, fn, width_of):
+        def call(*args, **kwargs):
+            counts[kind, width_of(args)] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    saved = [(m, name, getattr(m, name)) for m in (layers, mappings)
+             for name in ("dist_all_gather_func", "dist_reduce_scatter_func")]
+    saved.append((torch.distributed, "all_reduce", torch.distributed.all_reduce))
+    for module, name, fn in saved:
+        kind = {"dist_all_gather_func": "all_gather", "dist_reduce_scatter_func": "reduce_scatter"}.get(name, name)
+        # all-gather / reduce-scatter take (output, input); all_reduce takes (tensor)
+        setattr(module, name, counting(kind, fn, lambda args: args[0].shape[-1]))
+    try:
+        yield counts
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def layer_collectives(rank, world_size):
+    """Hidden-wide collectives of one KDA layer's forward and backward, with and without SP."""
+    cpu_compat.install()
+    ps.initialize_model_parallel(world_size, 1)
+    results = {}
+    for sp in (True, False):
+        layer = _layer(world_size, sp)
+        with count_collectives() as counts:
+            _forward_backward(layer, *_inputs(), sequence_parallel=sp)
+        results[sp] = {kind: n for (kind, width), n in counts.items() if width == HIDDEN}
     return results

@@ -26,3 +26,12 @@ def test_tp2_layer_matches_one_rank(tmp_path):
         torch.testing.assert_close(out, one["out"], rtol=1e-4, atol=1e-5, msg=f"sp={sp} output")
         torch.testing.assert_close(dx, one["dx"], rtol=1e-4, atol=1e-5, msg=f"sp={sp} input grad")
         harness.assert_grads_match(one["grads"], results, rtol=1e-4, atol=1e-6)
+
+
+def test_tp2_layer_input_crosses_tp_once_each_way():
+    """The layer's input is gathered once for its four column projections (q, k, v, beta), and their
+    input gradients are summed before one reduction, as attention's fused QKV does: one hidden-wide
+    collective each way for the input, one each way for the output (o_proj)."""
+    for counts in run_distributed(runner.layer_collectives, 2):
+        assert counts[True] == {"all_gather": 2, "reduce_scatter": 2}, f"sp: {counts[True]}"
+        assert counts[False] == {"all_reduce": 2}, f"no sp: {counts[False]}"
