@@ -30,7 +30,10 @@ def _launch(**choices) -> MappingProxyType:
 # one-knob sweep on the H200 (docs/bench/kda-sweep-h200.json, B4 T8192 H32 D128) measured each 4-warp table
 # faster than the 8-warp one it replaced although ptxas reports spills for the forward state walk's wider tiles at
 # 4 warps (tests/kernels/test_kda_compile.py holds those spills to the measured tables).
-INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4)
+# intra_fwd: every [64, K] operand taken KS = 32 channels at a time (products, w, kgl) fits 128 registers without
+# spills (ptxas, sm_90, Triton 3.6 and 3.8): four CTAs an SM where the whole-K tiles needed 255 and allowed two.
+# num_stages=1: the K-slice loads are short and the pipeliner's shared buffers (76 KB at 3) would cap the CTAs.
+INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4, num_stages=1, maxnreg=128)
 # The state walks: one program per (V tile, sequence, head), each walks its sequence's chunks in order, one
 # chunk step after another (latency-bound). The narrowest tile that still fits the programs in one wave on the
 # SMs, else the widest (state_config): more walkers win until they no longer run at once (H200, per shape:
@@ -54,7 +57,7 @@ DQK_CONFIG = _launch(num_warps=4, num_stages=1, maxnreg=128)
 # gate backward: as the gate cumsum, blocks of 2 rows (4 spill 272 B under the cap)
 GATE_BWD_CONFIG = _launch(COLS=256, RB=2, num_warps=1, num_stages=1, maxnreg=128)
 BKT = 32  # K tile of the dq/dk/dg kernels (never 16: see _block_k)
-KS = 64  # K slice of the decayed products in intra_fwd_kernel
+KS = 32  # K slice of intra_fwd_kernel's operands (see INTRA_FWD_CONFIG)
 L2_ROWS = 32  # rows per program of the L2-norm backward
 
 

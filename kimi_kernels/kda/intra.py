@@ -122,7 +122,7 @@ def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, chunk_start, chunk
     a_base = Ainv + h * 64  # Ainv rows hold L = diag(beta) Akk first, then the inverse (scratch reuse)
 
     # 1) decayed products, one [16, 64] block row at a time, summed over K slices of KS channels
-    # (loops, not unrolled, and [64, KS] tiles: what keeps this kernel from spilling at K = 128)
+    # (loops, not unrolled, and [64, KS] tiles: what keeps this kernel within 128 registers at K = 128)
     for r0 in range(0, 64, 16):
         rows = r0 + s16
         rok = rows < n
@@ -182,16 +182,21 @@ def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, chunk_start, chunk
         tl.store(a_base + offs_a, x_i, mask=rok[:, None])
         tl.debug_barrier()
 
-    # 3) w = Ainv (beta k exp(G)), u0 = Ainv (beta v)
+    # 3) w = Ainv (beta k exp(G)), u0 = Ainv (beta v), KS channels / BV values at a time
     a_inv = tl.load(a_base + (t0 + t)[:, None] * (H * 64) + t[None, :], mask=row_ok[:, None], other=0.0)
     a_dot = to_dot(a_inv, DOT_BF16)
     b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
-    kb = tl.load(k + offs_k, mask=m2, other=0.0).to(tl.float32) * b_all[:, None]
-    kb *= tl.exp(tl.load(G + offs_k, mask=m2, other=0.0))
-    w = tl.dot(a_dot, to_dot(kb, DOT_BF16))
-    tl.store(W + offs_k, w.to(W.dtype.element_ty), mask=m2)
-    kgl, _ = key_decay_to_end(k, G, t0, n, h, H, K, BK)  # the state walk's operand (state.py)
-    store_tile(KGL, kgl, t0, n, h, H, K, 0, BK)
+    for kc in range(0, K, KS):
+        dc = kc + tl.arange(0, KS)
+        mk = row_ok[:, None] & (dc < K)[None, :]
+        offs = (t0 + t)[:, None] * (H * K) + h * K + dc[None, :]
+        k_c = tl.load(k + offs, mask=mk, other=0.0).to(tl.float32)
+        g_c = tl.load(G + offs, mask=mk, other=0.0)
+        w = tl.dot(a_dot, to_dot(k_c * b_all[:, None] * tl.exp(g_c), DOT_BF16))
+        tl.store(W + offs, w.to(W.dtype.element_ty), mask=mk)
+        g_last = gate_at_chunk_end(G, t0, n, h, H, K, dc)
+        kgl = k_c * tl.exp(tl.where(mk, g_last[None, :] - g_c, float("-inf")))  # the state walk's operand
+        tl.store(KGL + offs, kgl.to(KGL.dtype.element_ty), mask=mk)
     for v0 in range(0, V, BV):
         e = v0 + tl.arange(0, BV)
         mv = row_ok[:, None] & (e < V)[None, :]
