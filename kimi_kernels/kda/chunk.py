@@ -48,7 +48,10 @@ OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
 # 3.6; RB_NORM = 16: ~130 B under both). num_stages=1: the loops' own one-block-ahead loads are the pipeline
 # (Triton 3.8 compiles the same code at 3; another version's pipeliner could move them through shared memory)
 GATE_CONFIG = _launch(COLS=256, RB=4, RB_NORM=8, num_warps=1, num_stages=1, maxnreg=128)
-DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=3)
+# num_stages=1 and 168 registers: three CTAs an SM for 28-32 bytes of spill (ptxas, sm_90, Triton 3.6 / 3.8), where
+# 3 stages took 214 registers and ran two. (16-wide V tiles would fit 159 without spills, but their 16-deep dots
+# are what Triton 3.6 miscompiles on sm_90: see _block_k.)
+DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=1, maxnreg=168)
 INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
 # one 16-row block of a chunk per program; latency-bound (intra_bwd.py): 128 registers keep 4 CTAs on an SM. ptxas
 # takes 168 uncapped with Triton 3.6 (the GPU machine's) and spills 16-20 bytes at 128; 52 with Triton 3.8
