@@ -115,10 +115,8 @@ def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, chunk_start, chunk
                      SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr, KS: tl.constexpr):
     c, h = tl.program_id(0), tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
-    t, d, s16 = tl.arange(0, 64), tl.arange(0, BK), tl.arange(0, 16)
-    kmask, row_ok = d < K, t < n
-    m2 = row_ok[:, None] & kmask[None, :]
-    offs_k = (t0 + t)[:, None] * (H * K) + h * K + d[None, :]
+    t, s16 = tl.arange(0, 64), tl.arange(0, 16)
+    row_ok = t < n
     a_base = Ainv + h * 64  # Ainv rows hold L = diag(beta) Akk first, then the inverse (scratch reuse)
 
     # 1) decayed products, one [16, 64] block row at a time, summed over K slices of KS channels
