@@ -100,19 +100,17 @@ def count_collectives():
 
     counts = Counter()
 
-    def counting(kind, fn, width_of):
-        def call(*args, **kwargs):
-            counts[kind, width_of(args)] += 1
-            return fn(*args, **kwargs)
+    def counting(kind, fn):
+        def call(tensor, *args, **kwargs):  # the output of a gather / reduce-scatter, the tensor of an all-reduce
+            counts[kind, tensor.shape[-1]] += 1
+            return fn(tensor, *args, **kwargs)
         return call
 
-    saved = [(m, name, getattr(m, name)) for m in (layers, mappings)
-             for name in ("dist_all_gather_func", "dist_reduce_scatter_func")]
+    kinds = {"dist_all_gather_func": "all_gather", "dist_reduce_scatter_func": "reduce_scatter"}
+    saved = [(m, name, getattr(m, name)) for m in (layers, mappings) for name in kinds]
     saved.append((torch.distributed, "all_reduce", torch.distributed.all_reduce))
     for module, name, fn in saved:
-        kind = {"dist_all_gather_func": "all_gather", "dist_reduce_scatter_func": "reduce_scatter"}.get(name, name)
-        # all-gather / reduce-scatter take (output, input); all_reduce takes (tensor)
-        setattr(module, name, counting(kind, fn, lambda args: args[0].shape[-1]))
+        setattr(module, name, counting(kinds.get(name, name), fn))
     try:
         yield counts
     finally:
