@@ -87,10 +87,10 @@ def state_fwd_kernel(KGL, W, U0, G, h0, hbuf, U, ht, seq_chunks, chunk_start, ch
         kgl = load_rows(KGL, t0, n, h, H, K, 0, BK)
         offs_c, _ = state_offsets(c, h, v0, H, K, V, BK, BV)
         tl.store(hbuf + offs_c, S.to(hbuf.dtype.element_ty), mask=mask_s)
-        # fp32 operands (tf32 on GPU) here: this product feeds back into the state every chunk
-        u = u0.to(tl.float32) - tl.dot(w.to(tl.float32), S)
+        # the state stays fp32; its products take it rounded to the dot dtype, as the backward walk does
+        u = u0.to(tl.float32) - tl.dot(to_dot(w, DOT_BF16), to_dot(S, DOT_BF16))
         store_chunk(U, u, t0, n, h, H, V, v0, BV)
-        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kgl.to(tl.float32)), u)
+        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(to_dot(kgl, DOT_BF16)), to_dot(u, DOT_BF16))
     if STORE_FINAL:
         tl.store(ht + offs0, S, mask=mask_s)
 
