@@ -28,8 +28,8 @@ def _launch(**choices) -> MappingProxyType:
 
 # Launch tables (V tile BV, num_warps, num_stages), fixed here. 4 warps everywhere but the output kernel: a
 # one-knob sweep on the H200 (docs/bench/kda-sweep-h200.json, B4 T8192 H32 D128) measured each 4-warp table
-# faster than the 8-warp one it replaced although ptxas reports spills for the forward state walk's wider tiles at
-# 4 warps (tests/kernels/test_kda_compile.py holds those spills to the measured tables).
+# faster than the 8-warp one it replaced (the forward state walk's wider tiles then spilled at 4 warps; with its
+# products in bf16 none spills, tests/kernels/test_kda_compile.py).
 # intra_fwd: every [64, K] operand taken KS = 32 channels at a time (products, w, kgl) fits 128 registers without
 # spills (ptxas, sm_90, Triton 3.6 and 3.8): four CTAs an SM where the whole-K tiles needed 255 and allowed two.
 # num_stages=1: the K-slice loads are short and the pipeliner's shared buffers (76 KB at 3) would cap the CTAs.

@@ -70,13 +70,12 @@ def kernel_cases():
     }
 
 
-# Spill bytes tolerated per kernel: the 4-warp configs below were measured faster on the H200 than 8-warp
-# ones without spills (tools/sweep_kda_kernels.py); the bounds sit ~20% above what ptxas reports for them
-# (Triton 3.8) so that a change that spills more fails here.
+# Spill bytes tolerated per kernel (none for the others): the bounds sit ~20% above what ptxas reports (Triton 3.8)
+# so that a change that spills more fails here. (The forward state walk spilled 360 bytes at BV 64 with its fp32
+# state products; in bf16 it takes 212 registers and none.)
 # The dq/dk kernel is latency-bound: its launch table caps it at 128 registers (4 CTAs of 128 threads per SM)
 # at the price of a few spilled registers (Triton 3.8: 52 / 36 bytes; the GPU machine's 3.6: 16-20 / 48-52).
-SPILL_ALLOWANCE: dict[str, int] = {"state_fwd_bv32": 180, "state_fwd_bv64": 640, "intra_bwd_dqk": 64,
-                                   "intra_bwd_dqk_per_position": 64, "intra_bwd_dv": 40}
+SPILL_ALLOWANCE: dict[str, int] = {"intra_bwd_dqk": 64, "intra_bwd_dqk_per_position": 64, "intra_bwd_dv": 40}
 MAX_REGISTERS: dict[str, int] = {"intra_fwd": 128, "intra_bwd_dv": 168, "intra_bwd_dqk": 128,
                                  "intra_bwd_dqk_per_position": 128}
 
