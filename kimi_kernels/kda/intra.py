@@ -92,10 +92,10 @@ def row_block(ptr, t0, r0, n, row_stride, col0, cols, ncols):
 
 
 @triton.jit
-def decay_factors(g_c, g_i, G, t0, r0, n, h, H, K: tl.constexpr, d, SAFE_GATE: tl.constexpr):
+def decay_factors(g_c, g_i, G, t0, r0, n, h, H, K: tl.constexpr, d, NC: tl.constexpr, SAFE_GATE: tl.constexpr):
     """Factors of exp(G_t - G_s) around r = G[min(r0, n - 1)] for the channels d: rows exp(G_t - r) [16, len(d)]
-    and columns exp(r - G_s) [64, len(d)], zero outside the valid tokens and the columns the dot path covers."""
-    t, s16 = tl.arange(0, 64), tl.arange(0, 16)
+    and columns exp(r - G_s) [NC, len(d)], zero outside the valid tokens and the columns the dot path covers."""
+    t, s16 = tl.arange(0, NC), tl.arange(0, 16)
     kmask = d < K
     g_r = tl.load(G + (t0 + tl.minimum(r0, n - 1)) * H * K + h * K + d, mask=kmask, other=0.0)
     row_ok = ((r0 + s16) < n)[:, None] & kmask[None, :]
@@ -110,6 +110,75 @@ def decay_factors(g_c, g_i, G, t0, r0, n, h, H, K: tl.constexpr, d, SAFE_GATE: t
 
 
 @triton.jit
+def block_row_products(mq, lk, q, k, G, k_c, g_c, t0, r0, n, h, H, K: tl.constexpr, dc, NC: tl.constexpr,
+                       SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
+    """Adds one K slice (channels dc) of row block r0's decayed products with the chunk's first NC keys
+    (k_c, g_c: [NC, KS]) to mq, lk [16, NC]: one dot each, the diagonal tile included on the dense path."""
+    t = tl.arange(0, NC)
+    rows = r0 + tl.arange(0, 16)
+    q_i = row_block(q, t0, r0, n, H * K, h * K, dc, K)
+    k_i = row_block(k, t0, r0, n, H * K, h * K, dc, K)
+    g_i = row_block(G, t0, r0, n, H * K, h * K, dc, K)
+    e_row, e_col = decay_factors(g_c, g_i, G, t0, r0, n, h, H, K, dc, NC, SAFE_GATE)
+    kl = to_dot(k_c * e_col, DOT_BF16)
+    mq = tl.dot(to_dot(q_i * e_row, DOT_BF16), tl.trans(kl), mq)
+    lk = tl.dot(to_dot(k_i * e_row, DOT_BF16), tl.trans(kl), lk)
+    if not SAFE_GATE:
+        for s in range(16):  # diagonal tile, position by position (unbounded gate)
+            col = r0 + s
+            cmask = (dc < K) & (col < n)
+            k_s = tl.load(k + (t0 + col) * H * K + h * K + dc, mask=cmask, other=0.0).to(tl.float32)
+            g_s = tl.load(G + (t0 + col) * H * K + h * K + dc, mask=cmask, other=0.0)
+            ok = ((rows < n) & (rows >= col))[:, None] & (dc < K)[None, :]
+            e = tl.exp(tl.where(ok, g_i - g_s[None, :], float("-inf")))
+            mq += tl.where(t[None, :] == col, tl.sum(q_i * k_s[None, :] * e, 1)[:, None], 0.0)
+            lk += tl.where(t[None, :] == col, tl.sum(k_i * k_s[None, :] * e, 1)[:, None], 0.0)
+    return mq, lk
+
+
+@triton.jit
+def store_block_row(Mqk, a_base, mq, lk, beta, t0, r0, n, h, H, scale, NC: tl.constexpr):
+    """Row block r0 of Mqk (scaled, causal incl. the diagonal; zero from column NC on) and of L = diag(beta) Akk
+    (strictly lower, columns < NC, to the inverse's scratch: step 2 reads no column past the block)."""
+    t = tl.arange(0, NC)
+    rows = r0 + tl.arange(0, 16)
+    rok = rows < n
+    b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
+    valid = rok[:, None] & (t < n)[None, :]
+    mq = tl.where(valid & (t[None, :] <= rows[:, None]), mq * scale, 0.0)
+    lk = tl.where(valid & (t[None, :] < rows[:, None]), lk * b_i[:, None], 0.0)
+    offs_a = (t0 + rows)[:, None] * (H * 64) + t[None, :]
+    tl.store(Mqk + h * 64 + offs_a, mq.to(Mqk.dtype.element_ty), mask=rok[:, None])
+    tl.store(a_base + offs_a, lk, mask=rok[:, None])
+    if NC < 64:
+        zeros = tl.zeros([16, 64 - NC], dtype=Mqk.dtype.element_ty)
+        tl.store(Mqk + h * 64 + offs_a + NC, zeros, mask=rok[:, None])
+
+
+@triton.jit
+def half_chunk_products(q, k, G, Mqk, a_base, beta, t0, n, h, H, K: tl.constexpr, scale, R0: tl.constexpr,
+                        NC: tl.constexpr, KS: tl.constexpr, SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
+    """Rows R0..R0+31 (two 16-row blocks) of Mqk and L against the chunk's first NC keys, the only ones they
+    reach (R0 + 32 <= NC), summed over K slices of KS channels: each slice's key tile is loaded once for both
+    blocks."""
+    mq_a = tl.zeros([16, NC], dtype=tl.float32)
+    lk_a = tl.zeros([16, NC], dtype=tl.float32)
+    mq_b, lk_b = mq_a, lk_a
+    for kc in range(0, K, KS):
+        dc = kc + tl.arange(0, KS)
+        block = tl.make_block_ptr(k + t0 * (H * K) + h * K, (n, K), (H * K, 1), (0, kc), (NC, KS), (1, 0))
+        k_c = tl.load(block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
+        block = tl.make_block_ptr(G + t0 * (H * K) + h * K, (n, K), (H * K, 1), (0, kc), (NC, KS), (1, 0))
+        g_c = tl.load(block, boundary_check=(0, 1), padding_option="zero")
+        mq_a, lk_a = block_row_products(mq_a, lk_a, q, k, G, k_c, g_c, t0, R0, n, h, H, K, dc, NC, SAFE_GATE,
+                                        DOT_BF16)
+        mq_b, lk_b = block_row_products(mq_b, lk_b, q, k, G, k_c, g_c, t0, R0 + 16, n, h, H, K, dc, NC, SAFE_GATE,
+                                        DOT_BF16)
+    store_block_row(Mqk, a_base, mq_a, lk_a, beta, t0, R0, n, h, H, scale, NC)
+    store_block_row(Mqk, a_base, mq_b, lk_b, beta, t0, R0 + 16, n, h, H, scale, NC)
+
+
+@triton.jit
 def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, chunk_start, chunk_len, scale,
                      H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr, KS: tl.constexpr):
@@ -119,42 +188,10 @@ def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, chunk_start, chunk
     row_ok = t < n
     a_base = Ainv + h * 64  # Ainv rows hold L = diag(beta) Akk first, then the inverse (scratch reuse)
 
-    # 1) decayed products, one [16, 64] block row at a time, summed over K slices of KS channels
-    # (loops, not unrolled, and [64, KS] tiles: what keeps this kernel within 128 registers at K = 128)
-    for r0 in range(0, 64, 16):
-        rows = r0 + s16
-        rok = rows < n
-        b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
-        mq = tl.zeros([16, 64], dtype=tl.float32)
-        lk = tl.zeros([16, 64], dtype=tl.float32)
-        for kc in range(0, K, KS):
-            dc = kc + tl.arange(0, KS)
-            q_i = row_block(q, t0, r0, n, H * K, h * K, dc, K)
-            k_i = row_block(k, t0, r0, n, H * K, h * K, dc, K)
-            g_i = row_block(G, t0, r0, n, H * K, h * K, dc, K)
-            k_c = load_tile(k, t0, n, h, H, K, kc, KS)
-            g_c = load_tile(G, t0, n, h, H, K, kc, KS)
-            e_row, e_col = decay_factors(g_c, g_i, G, t0, r0, n, h, H, K, dc, SAFE_GATE)
-            kl = to_dot(k_c * e_col, DOT_BF16)
-            mq = tl.dot(to_dot(q_i * e_row, DOT_BF16), tl.trans(kl), mq)
-            lk = tl.dot(to_dot(k_i * e_row, DOT_BF16), tl.trans(kl), lk)
-            if not SAFE_GATE:
-                for s in range(16):  # diagonal tile, position by position (unbounded gate)
-                    col = r0 + s
-                    sok = col < n
-                    cmask = (dc < K) & sok
-                    k_s = tl.load(k + (t0 + col) * H * K + h * K + dc, mask=cmask, other=0.0).to(tl.float32)
-                    g_s = tl.load(G + (t0 + col) * H * K + h * K + dc, mask=cmask, other=0.0)
-                    ok = (rok & (rows >= col))[:, None] & (dc < K)[None, :]
-                    e = tl.exp(tl.where(ok, g_i - g_s[None, :], float("-inf")))
-                    mq += tl.where(t[None, :] == col, tl.sum(q_i * k_s[None, :] * e, 1)[:, None], 0.0)
-                    lk += tl.where(t[None, :] == col, tl.sum(k_i * k_s[None, :] * e, 1)[:, None], 0.0)
-        valid = rok[:, None] & row_ok[None, :]
-        mq = tl.where(valid & (t[None, :] <= rows[:, None]), mq * scale, 0.0)
-        lk = tl.where(valid & (t[None, :] < rows[:, None]), lk * b_i[:, None], 0.0)
-        offs_a = (t0 + rows)[:, None] * (H * 64) + t[None, :]
-        tl.store(Mqk + h * 64 + offs_a, mq.to(Mqk.dtype.element_ty), mask=rok[:, None])
-        tl.store(a_base + offs_a, lk, mask=rok[:, None])
+    # 1) decayed products in two halves of 32 rows: the first half reaches only the first 32 keys
+    # (loops over K slices, [NC, KS] key tiles: what keeps this kernel within 128 registers at K = 128)
+    half_chunk_products(q, k, G, Mqk, a_base, beta, t0, n, h, H, K, scale, 0, 32, KS, SAFE_GATE, DOT_BF16)
+    half_chunk_products(q, k, G, Mqk, a_base, beta, t0, n, h, H, K, scale, 32, 64, KS, SAFE_GATE, DOT_BF16)
     tl.debug_barrier()
 
     # 2) (I + L)^-1 by block forward substitution: X_i = D_i^-1 (E_i - L_{i,<i} X_{<i})
