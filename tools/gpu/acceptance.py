@@ -342,7 +342,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", help="with 'merge' first: the JSON files to join")
     parser.add_argument("--steps", default=",".join(STEPS))
-    parser.add_argument("--out", default="acceptance-h200.json")
+    parser.add_argument("--out", default="acceptance.json")
     parser.add_argument("--work", default="/tmp/acceptance", help="run directories (logs; checkpoints unless in tmpfs)")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the training config (a CPU dry run: tiny.yaml)")
     parser.add_argument("--extra", default="", help="flags added to every launch/train.py run (a CPU dry run)")

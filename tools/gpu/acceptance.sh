@@ -2,8 +2,8 @@
 # The user's job on the GPU in one device call (steps and rules: tools/gpu/acceptance.py). From this machine, on a
 # clean tree (the commit is recorded), with the cp312 wheels of megatron-core (and fla-core for fla-test) in .whl/:
 #   device run, carry [".whl"]:  ACCEPTANCE_COMMIT=<git rev-parse HEAD> bash tools/gpu/acceptance.sh [steps]
-# writes $OUT/acceptance-h200.json and $OUT/acceptance.log; copy the JSON to docs/bench/acceptance-h200.json
-# (two calls of one commit: python tools/gpu/acceptance.py merge A.json B.json --out docs/bench/acceptance-h200.json).
+# writes $OUT/acceptance-<gpu>.json (h200, h100, ... from nvidia-smi's name) and $OUT/acceptance.log; copy the
+# JSON to docs/bench/ (two calls of one commit: python tools/gpu/acceptance.py merge A.json B.json --out ...).
 set -u
 OUT=${OUT:-/tmp/acceptance-out}
 mkdir -p "$OUT"
@@ -15,5 +15,6 @@ if [ ! -f /tmp/site/.installed ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 tools/gpu/acceptance.py --out "$OUT/acceptance-h200.json" ${1:+--steps "$1"} 2>&1 | tee "$OUT/acceptance.log"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oE '[A-Z]+[0-9]{2,3}' | head -1 | tr 'A-Z' 'a-z')
+python3 tools/gpu/acceptance.py --out "$OUT/acceptance-${gpu:-gpu}.json" ${1:+--steps "$1"} 2>&1 | tee "$OUT/acceptance.log"
 exit "${PIPESTATUS[0]}"
