@@ -47,17 +47,17 @@ def dot_split(a, b, SPLIT_A: tl.constexpr, DOT_BF16: tl.constexpr):
 
 
 @triton.jit
-def chunk_block(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
-    """Block pointer to a [64, BD] tile of a [T, H, D] tensor: tokens t0..t0+n-1, columns col0..col0+BD-1.
+def chunk_block(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr, ROWS: tl.constexpr = 64):
+    """Block pointer to a [ROWS, BD] tile of a [T, H, D] tensor: tokens t0..t0+n-1, columns col0..col0+BD-1.
     Block pointers (bounds instead of per-element masks and 64-bit addresses) keep the loops over V from
     holding a hoisted pointer tensor per operand in registers."""
-    return tl.make_block_ptr(ptr + t0 * (H * D) + h * D, (n, D), (H * D, 1), (0, col0), (64, BD), (1, 0))
+    return tl.make_block_ptr(ptr + t0 * (H * D) + h * D, (n, D), (H * D, 1), (0, col0), (ROWS, BD), (1, 0))
 
 
 @triton.jit
-def load_tile(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
-    """load_chunk through a block pointer (what the backward intra kernels use: see chunk_block)."""
-    block = chunk_block(ptr, t0, n, h, H, D, col0, BD)
+def load_tile(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr, ROWS: tl.constexpr = 64):
+    """load_chunk (state.py) through a block pointer, the chunk's first ROWS rows (see chunk_block)."""
+    block = chunk_block(ptr, t0, n, h, H, D, col0, BD, ROWS)
     return tl.load(block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
 
 
@@ -166,10 +166,8 @@ def half_chunk_products(q, k, G, Mqk, a_base, beta, t0, n, h, H, K: tl.constexpr
     mq_b, lk_b = mq_a, lk_a
     for kc in range(0, K, KS):
         dc = kc + tl.arange(0, KS)
-        block = tl.make_block_ptr(k + t0 * (H * K) + h * K, (n, K), (H * K, 1), (0, kc), (NC, KS), (1, 0))
-        k_c = tl.load(block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
-        block = tl.make_block_ptr(G + t0 * (H * K) + h * K, (n, K), (H * K, 1), (0, kc), (NC, KS), (1, 0))
-        g_c = tl.load(block, boundary_check=(0, 1), padding_option="zero")
+        k_c = load_tile(k, t0, n, h, H, K, kc, KS, NC)
+        g_c = load_tile(G, t0, n, h, H, K, kc, KS, NC)
         mq_a, lk_a = block_row_products(mq_a, lk_a, q, k, G, k_c, g_c, t0, R0, n, h, H, K, dc, NC, SAFE_GATE,
                                         DOT_BF16)
         mq_b, lk_b = block_row_products(mq_b, lk_b, q, k, G, k_c, g_c, t0, R0 + 16, n, h, H, K, dc, NC, SAFE_GATE,
