@@ -14,7 +14,9 @@ Megatron's own path; with Apex or Transformer Engine present it does nothing.
 ``step_with_ready_grads`` runs ``kimi_kernels.adamw`` (one pass per tensor: AdamW, the clip coefficient and the
 fp32-to-bf16 model copy; Megatron makes three; the small tensors one launch per list), and inside the scoped
 step Megatron's ``clip_grad_by_total_norm_fp32`` hands those optimizers' coefficient to that kernel instead of
-scaling the gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested). When DDP's
+scaling the gradients in a pass of its own. Same update as torch's AdamW after Megatron's clipping (tested). The
+step's host work (which tensors, their state, the launch lists) can run ahead of the update: the optimizer's
+``prepare_step_with_ready_grads``, which the NaN guard calls before its host read (tested: same update). When DDP's
 ``main_grad`` has the model parameter's own dtype (bf16 main grads: ``wrap_ddp(main_grad_dtype="bf16")``,
 Megatron's ``grad_reduce_in_fp32=False``), Megatron's ``_copy_model_grads_to_main_grads`` would make an fp32
 copy of every gradient (``main_grad.float()``); these optimizers instead point the model parameter's ``.grad``
@@ -114,7 +116,7 @@ def use_fused_adamw_step(optimizer) -> int:
     checkpoints are unchanged. Takes effect with :func:`scoped_fast_fallbacks` around ``step``."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    switched = 0
+    switched, prepares = 0, []
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
         if type(opt) is not Float16OptimizerWithFloat16Params or getattr(opt, "is_stub_optimizer", False):
@@ -128,13 +130,22 @@ def use_fused_adamw_step(optimizer) -> int:
         for group in inner.param_groups:
             _fused_main_params.update({id(p): p for p in group["params"]})
         opt.step_with_ready_grads = lambda opt=opt, model_of=model_of: _fused_adamw_step(opt, model_of)
+        prepares.append(functools.partial(_stash_prepared_step, opt, model_of))
         # bf16 main grads read in place, unless something reads the main params' .grad: Megatron's zero count,
         # or a grad scaler's unscale and inf check.
         if not opt.config.log_num_zeros_in_grad and opt.grad_scaler is None:
             opt._copy_model_grads_to_main_grads = lambda opt=opt: _copy_model_grads_without_widening(opt)
             opt._filter_grads_for_norm = _grads_for_norm_via_model_params(opt._filter_grads_for_norm, model_of)
         switched += 1
+    if prepares:
+        # For the NaN guard (megatron_ext/training/nonfinite_guard.py): this step's host work before its host
+        # read, so that the device does not wait for it after the read.
+        optimizer.prepare_step_with_ready_grads = lambda: [prepare() for prepare in prepares]
     return switched
+
+
+def _stash_prepared_step(opt, model_of: dict) -> None:
+    _prepared[id(opt)] = _prepare_fused_step(opt, model_of)
 
 
 def _is_low_precision_grad(grad, model_param) -> bool:
@@ -192,13 +203,19 @@ def _grads_for_norm_via_model_params(filter_grads, model_of: dict):
 SMALL_TENSOR_NUMEL = 1 << 20
 
 
-@torch.no_grad()
-def _fused_adamw_step(opt, model_of: dict) -> bool:
-    """Megatron's ``step_with_ready_grads`` (inner step, then main -> model copy) as fused AdamW launches: one
-    per large tensor, one per list of small ones."""
-    from kimi_kernels.adamw import adamw_multi_step_, adamw_step_
+# Host work of a fused step done ahead by ``prepare_step_with_ready_grads`` (the NaN guard calls it before its
+# host read, while the device still runs the backward), taken by the update that follows; one step's only.
+_prepared: dict[int, list] = {}  # id(optimizer) -> _prepare_fused_step's result
 
+
+@torch.no_grad()
+def _prepare_fused_step(opt, model_of: dict) -> list:
+    """The host side of :func:`_fused_adamw_step`: per param group, its step counters, hyper-parameters, the
+    large tensors (one launch each) and the lists of small ones, with the clip coefficients this step set.
+    Creates the moments on the first step (torch's lazy init; zeros, so a step skipped after it changes no
+    number). Launches nothing else."""
     inner = opt.optimizer
+    prepared = []
     for group in inner.param_groups:
         grads = {id(p): _main_grad_of(p, model_of.get(id(p))) for p in group["params"]}
         params = [p for p in group["params"] if grads[id(p)] is not None]
@@ -211,19 +228,33 @@ def _fused_adamw_step(opt, model_of: dict) -> bool:
             for key in ("exp_avg", "exp_avg_sq"):
                 if key not in state:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if params:
-            torch._foreach_add_([s["step"] for s in states], 1.0)
         beta1, beta2 = group["betas"]
         hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"])
-        small: dict[tuple, list] = {}
+        large, small = [], {}
         for p, state in zip(params, states):
             model, grad, scale = model_of.get(id(p)), grads[id(p)], _pending_clip.pop(id(p), 1.0)
             item = (p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], model)
             if p.numel() <= SMALL_TENSOR_NUMEL:
                 small.setdefault((grad.dtype, None if model is None else model.dtype, scale), []).append(item)
             else:
-                adamw_step_(*item, **hyper, grad_scale=scale)
+                large.append((item, scale))
+        prepared.append(([s["step"] for s in states], hyper, large, small))
+    return prepared
+
+
+@torch.no_grad()
+def _fused_adamw_step(opt, model_of: dict) -> bool:
+    """Megatron's ``step_with_ready_grads`` (inner step, then main -> model copy) as fused AdamW launches: one
+    per large tensor, one per list of small ones; the host work prepared ahead when it was."""
+    from kimi_kernels.adamw import adamw_multi_step_, adamw_step_
+
+    prepared = _prepared.pop(id(opt), None)
+    for steps, hyper, large, small in prepared if prepared is not None else _prepare_fused_step(opt, model_of):
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+        for item, scale in large:
+            adamw_step_(*item, **hyper, grad_scale=scale)
         for (_, _, scale), items in small.items():
             adamw_multi_step_(items, **hyper, grad_scale=scale)
     return True
@@ -294,6 +325,7 @@ def fast_fallbacks():
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
     _pending_clip.clear()  # a step that returned early (inf/nan) leaves nothing behind
+    _prepared.clear()
     saved_clip = mcore_optimizer.clip_grad_by_total_norm_fp32
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_into_fused_step(saved_clip)
     no_apex = clip_grads.l2_norm_impl is mcore_utils.local_multi_tensor_l2_norm
@@ -306,6 +338,7 @@ def fast_fallbacks():
     try:
         yield
     finally:
+        _prepared.clear()  # a skipped update's preparation is not the next step's
         (clip_grads.l2_norm_impl, clip_grads.multi_tensor_scale_impl,
          clip_grads.multi_tensor_scale_tensor_impl) = saved
         mcore_optimizer.clip_grad_by_total_norm_fp32 = saved_clip

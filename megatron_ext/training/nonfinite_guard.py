@@ -9,7 +9,9 @@ Megatron's own found-inf path does, so weights, moments and the Adam step count 
 
 Cost: one host read of two numbers per step, which waits for the backward to finish; the host can
 no longer queue the optimizer step while the backward runs, so its launch time shows on the GPU (on
-one H200 with configs/h200.yaml no difference beyond the run-to-run spread: docs/training.md). Under pipeline parallelism, where only the last
+one H200 with configs/h200.yaml no difference beyond the run-to-run spread: docs/training.md). An optimizer
+with a ``prepare_step_with_ready_grads`` (the fused AdamW step, ``megatron_ext.speed_patches``) does its host
+work for the update before the read, so only the launches remain after it. Under pipeline parallelism, where only the last
 stage holds the loss, one more all-reduce of two numbers over the pipeline group brings the decision
 and the loss to every stage.
 """
@@ -75,6 +77,9 @@ class NonFiniteGuard:
             # values (the norm is the same on all of them).
             values = values if holds_loss else torch.zeros_like(values)
             dist.all_reduce(values, group=self.loss_group)
+        prepare = getattr(self.optimizer, "prepare_step_with_ready_grads", None)
+        if prepare is not None:  # the update's host work (the fused AdamW step's lists) while the device computes
+            prepare()
         grad_norm, loss = values.tolist()  # the one host read
         if math.isfinite(grad_norm) and math.isfinite(loss):
             return self._apply_update()

@@ -11,6 +11,7 @@ import torch
 from tests._dist import free_port
 
 SCRIPT = """
+import sys
 import torch, torch.distributed as dist
 from megatron_ext import cpu_compat, speed_patches
 assert cpu_compat.install()
@@ -120,6 +121,50 @@ for bf16_grads in (False, True):  # the optimizer state is the same either way
     resumed_opt.step()
     for a, b in zip(resumed, through):
         assert torch.equal(a, b), "resume changed the update"
+# Under the NaN guard the update's host work runs before the guard's one host read (the device then has only
+# launches to wait for), and a skipped step (a NaN gradient) leaves nothing prepared behind for the next:
+# apply, skip, apply gives bit for bit the update of apply, apply.
+from megatron_ext.training.nonfinite_guard import NonFiniteGuard
+
+def guarded(grad_sets):
+    params, opt = build(True, 1.0)
+    guard, events, applied = NonFiniteGuard(opt), [], []
+    prepare = opt.prepare_step_with_ready_grads
+    opt.prepare_step_with_ready_grads = lambda: (events.append("prepare"), prepare())
+    tolist = torch.Tensor.tolist
+    def read(t):  # the guard's read (through the CPU shim's torch-function mode it comes back here once more)
+        if sys._getframe(1).f_code.co_filename.endswith("nonfinite_guard.py"):
+            events.append("read")
+        return tolist(t)
+    torch.Tensor.tolist = read
+    try:
+        for grads in grad_sets:
+            for p, grad in zip(params, grads):
+                p.main_grad = grad.clone()
+            applied.append(guard.step(torch.tensor(2.5))[0])
+    finally:
+        torch.Tensor.tolist = tolist
+    return params, opt, applied, events
+
+g = torch.Generator().manual_seed(7)
+sets = [[torch.randn(p.shape, generator=g) * scale for p in build(False, 1.0)[0]] for scale in GRAD_SCALES]
+poisoned = [grad.clone() for grad in sets[1]]
+poisoned[1][0] = float("nan")
+skipping, skipping_opt, applied, events = guarded([sets[0], poisoned, sets[2]])
+assert applied == [True, False, True], applied
+assert events == ["prepare", "read"] * 3, events
+straight, straight_opt, _, _ = guarded([sets[0], sets[2]])
+plain, plain_opt = build(True, 1.0)  # no guard: the step prepares its own host work
+for grads in (sets[0], sets[2]):
+    for p, grad in zip(plain, grads):
+        p.main_grad = grad.clone()
+    plain_opt.step()
+for a, b, c in zip(skipping, straight, plain):
+    assert torch.equal(a, b), "a skipped step changed the next update"
+    assert torch.equal(b, c), "the prepared update differs from the unprepared one (clip coefficients?)"
+for group in skipping_opt.optimizer.param_groups:
+    for p in group["params"]:
+        assert float(skipping_opt.optimizer.state[p]["step"]) == 2
 # Megatron's own clip is back outside the scoped step and still scales whatever it is given.
 from megatron.core.optimizer import optimizer as mcore_optimizer
 assert mcore_optimizer.clip_grad_by_total_norm_fp32.__module__ == "megatron.core.optimizer.clip_grads"
@@ -134,6 +179,7 @@ def test_fused_step_equals_megatrons_clip_adamw_and_copy():
 
 
 GPU_SCRIPT = """
+import sys
 import torch, torch.distributed as dist
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
