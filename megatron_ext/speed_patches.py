@@ -239,6 +239,8 @@ def _prepare_fused_step(opt, model_of: dict) -> list:
                 small.setdefault((grad.dtype, None if model is None else model.dtype, scale), []).append(item)
             else:
                 large.append((item, scale))
+        large.sort(key=lambda entry: -entry[0][0].numel())  # the longest update first: the device is busy with
+        # it while the host launches the others (a ~4M-element tensor updates in about one launch's host time)
         prepared.append(([s["step"] for s in states], hyper, large, small))
     return prepared
 
