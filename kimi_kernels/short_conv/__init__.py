@@ -12,7 +12,7 @@ import torch
 
 from kimi_kernels.short_conv.naive import causal_conv_silu_reference
 
-__all__ = ["causal_conv_silu", "causal_conv_silu_reference", "MAX_KERNEL_SIZE"]
+__all__ = ["causal_conv_silu", "causal_conv_silu_group", "causal_conv_silu_reference", "MAX_KERNEL_SIZE"]
 
 # The kernels unroll K x K shifted loads in backward; short convs use 2..4 taps.
 MAX_KERNEL_SIZE = 8
@@ -20,20 +20,25 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class _ConvSiluFunction(torch.autograd.Function):
+    """``n`` convolutions of one shape (inputs x_1..x_n, then w_1..w_n) through one kernel launch each way."""
+
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, *tensors):
         from kimi_kernels.short_conv.fused import conv_fwd
 
-        x, weight = x.contiguous(), weight.contiguous()
-        ctx.save_for_backward(x, weight)  # only the inputs: backward recomputes pre
-        return conv_fwd(x, weight)
+        n = len(tensors) // 2
+        xs, weights = [x.contiguous() for x in tensors[:n]], [w.contiguous() for w in tensors[n:]]
+        ctx.save_for_backward(*xs, *weights)  # only the inputs: backward recomputes pre
+        return tuple(conv_fwd(xs, weights))
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *dys):
         from kimi_kernels.short_conv.fused import conv_bwd
 
-        x, weight = ctx.saved_tensors
-        return conv_bwd(dy.contiguous(), x, weight)
+        saved = ctx.saved_tensors
+        n = len(saved) // 2
+        dxs, dweights = conv_bwd([dy.contiguous() for dy in dys], list(saved[:n]), list(saved[n:]))
+        return (*dxs, *dweights)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -54,7 +59,22 @@ def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, use_kernel: bool | N
     """``x [s, b, C]``, ``weight [C, K]`` (fp32 or x's dtype) -> ``[b, s, C]`` in x's dtype, computed in
     fp32 by the kernel. ``use_kernel`` defaults to ``x.is_cuda``; grads: ``dx [s, b, C]`` in x's dtype,
     ``dweight`` in weight's dtype (fp32 sums)."""
-    _check(x, weight)
-    if x.is_cuda if use_kernel is None else use_kernel:
-        return _ConvSiluFunction.apply(x, weight)
-    return causal_conv_silu_reference(x, weight)
+    return causal_conv_silu_group([x], [weight], use_kernel)[0]
+
+
+def causal_conv_silu_group(xs, weights, use_kernel: bool | None = None) -> list:
+    """:func:`causal_conv_silu` of each ``(xs[i], weights[i])``; on the kernel path the parts (up to three, one
+    shape, dtype and device: a KDA layer's q, k and v) share one launch forward and one backward."""
+    from kimi_kernels.short_conv.fused import MAX_PARTS
+
+    if len(xs) != len(weights) or not xs:
+        raise ValueError(f"one weight per input: got {len(xs)} inputs and {len(weights)} weights")
+    for x, weight in zip(xs, weights):
+        _check(x, weight)
+    if not (xs[0].is_cuda if use_kernel is None else use_kernel):
+        return [causal_conv_silu_reference(x, w) for x, w in zip(xs, weights)]
+    same = all(x.shape == xs[0].shape and x.dtype == xs[0].dtype and x.device == xs[0].device for x in xs) and all(
+        w.shape == weights[0].shape for w in weights)
+    if not same or len(xs) > MAX_PARTS:  # one launch per part
+        return [_ConvSiluFunction.apply(x, w)[0] for x, w in zip(xs, weights)]
+    return list(_ConvSiluFunction.apply(*xs, *weights))

@@ -61,15 +61,30 @@ def _shifted_pre(x, w, t, b, c, c_ok, S, B, C, K: tl.constexpr, SHIFT: tl.conste
 
 
 @triton.jit
-def conv_fwd_kernel(x, w, y, S, B, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+def _pick(part, p0, p1, p2):
+    """Part ``part``'s pointer of three (a select, so the kernel body is compiled once)."""
+    return tl.where(part == 0, p0, tl.where(part == 1, p1, p2))
+
+
+@triton.jit
+def _conv_fwd_tile(x, w, y, S, B, C, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    b = tl.program_id(2)
+    b = tl.program_id(2) % B
     c_ok = c < C
     pre = _shifted_pre(x, w, t, b, c, c_ok, S, B, C, K, 0, BT, BC)
     out = pre * tl.sigmoid(pre)
     dst = (b * S + t.to(tl.int64)) * C  # batch-first rows
     tl.store(y + dst[:, None] + c[None, :], out.to(y.dtype.element_ty), mask=(t < S)[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def conv_fwd_kernel(x0, x1, x2, w0, w1, w2, y0, y1, y2, S, B, C, K: tl.constexpr, BT: tl.constexpr,
+                    BC: tl.constexpr):
+    """Up to three convolutions of one shape in one launch (a KDA layer's q, k, v): grid axis 2 is part x
+    sample; a part's tensors are its own arguments, picked by the program's part (no table to load)."""
+    part = tl.program_id(2) // B
+    _conv_fwd_tile(_pick(part, x0, x1, x2), _pick(part, w0, w1, w2), _pick(part, y0, y1, y2), S, B, C, K, BT, BC)
 
 
 @triton.jit
@@ -86,7 +101,7 @@ def _load_rows(x, dy, u0, limit, b, c, c_ok, S, B, C, U: tl.constexpr):
 
 
 @triton.jit
-def conv_bwd_kernel(x, w, dy, dx, dw_part, S, B, C, T, K: tl.constexpr, U: tl.constexpr, BC: tl.constexpr):
+def _conv_bwd_chunk(x, w, dy, dx, dw_part, S, B, C, T, K: tl.constexpr, U: tl.constexpr, BC: tl.constexpr):
     """One program: channels c of sample b over the chunk [t0, t0 + T). Steps u = t0 .. t0 + T + K - 2 in
     order, each loading rows u of x and dy once (loaded a group of U rows ahead): pre[u] from the window
     x[u-K+1 .. u] (the older K-1 rows kept in registers), g[u], then dx[u-K+1], whose K future g values
@@ -94,7 +109,7 @@ def conv_bwd_kernel(x, w, dy, dx, dw_part, S, B, C, T, K: tl.constexpr, U: tl.co
     past the chunk only complete its last dx rows."""
     pid_t = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    b = tl.program_id(2)
+    b = tl.program_id(2) % B
     c_ok = c < C
     t0 = pid_t * T
     t_end = tl.minimum(t0 + T, S)  # rows of dx (and steps of dw) this program owns
@@ -149,19 +164,39 @@ def conv_bwd_kernel(x, w, dy, dx, dw_part, S, B, C, T, K: tl.constexpr, U: tl.co
                 xwin = new_xwin + (xu,)
                 gwin = new_gwin + (g,)
         xs, dys = next_xs, next_dys
-    part = dw_part + ((pid_t * B + b) * K).to(tl.int64) * C
+    slot = dw_part + ((pid_t * B + b) * C).to(tl.int64) * K  # [C, K]: the weight's layout
     for j in tl.static_range(K):
-        tl.store(part + j * C + c, dws[j], mask=c_ok)
+        tl.store(slot + c * K + j, dws[j], mask=c_ok)
 
 
-def conv_fwd(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [s, b, C]`` contiguous, ``weight [C, K]`` contiguous -> ``y [b, s, C]`` in x's dtype."""
-    seq, batch, channels = x.shape
-    y = x.new_empty(batch, seq, channels)
+@triton.jit
+def conv_bwd_kernel(x0, x1, x2, w0, w1, w2, dy0, dy1, dy2, dx0, dx1, dx2, dw_part, S, B, C, T,
+                    K: tl.constexpr, U: tl.constexpr, BC: tl.constexpr):
+    """conv_fwd_kernel's parts in one launch; part p's dweight slots start at p * (time chunks * B) slots."""
+    part = tl.program_id(2) // B
+    slots = (tl.num_programs(0) * B * C).to(tl.int64) * K
+    _conv_bwd_chunk(_pick(part, x0, x1, x2), _pick(part, w0, w1, w2), _pick(part, dy0, dy1, dy2),
+                    _pick(part, dx0, dx1, dx2), dw_part + part * slots, S, B, C, T, K, U, BC)
+
+
+MAX_PARTS = 3  # convolutions one launch takes (conv_fwd_kernel's pointer arguments)
+
+
+def _three(tensors):
+    """A part's tensors padded to the kernels' three pointer slots (the unused ones are never read)."""
+    return list(tensors) + [tensors[0]] * (MAX_PARTS - len(tensors))
+
+
+def conv_fwd(xs, weights) -> list:
+    """Per part ``x [s, b, C]`` contiguous, ``weight [C, K]`` contiguous (all parts one shape) -> ``y [b, s, C]``
+    in x's dtype, in one launch."""
+    seq, batch, channels = xs[0].shape
+    ys = [x.new_empty(batch, seq, channels) for x in xs]
     cfg = FWD_CONFIG
-    grid = (triton.cdiv(seq, cfg["BT"]), triton.cdiv(channels, cfg["BC"]), batch)
-    conv_fwd_kernel[grid](x, weight, y, seq, batch, channels, K=weight.shape[1], **cfg)
-    return y
+    grid = (triton.cdiv(seq, cfg["BT"]), triton.cdiv(channels, cfg["BC"]), batch * len(xs))
+    conv_fwd_kernel[grid](*_three(xs), *_three(weights), *_three(ys), seq, batch, channels,
+                          K=weights[0].shape[1], **cfg)
+    return ys
 
 
 def bwd_config(kernel_size: int) -> dict:
@@ -187,18 +222,22 @@ def bwd_chunk(seq: int, batch: int, channels: int, kernel_size: int, device: tor
     return groups * unroll - (kernel_size - 1)
 
 
-def conv_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, chunk: int | None = None):
-    """``dy [b, s, C]`` contiguous -> ``dx [s, b, C]`` (x's dtype), ``dweight [C, K]`` (weight's dtype,
-    summed in fp32). ``chunk``: time steps per program, any T >= 1 (default :func:`bwd_chunk`)."""
-    seq, batch, channels = x.shape
-    kernel_size = weight.shape[1]
+def conv_bwd(dys, xs, weights, chunk: int | None = None):
+    """Per part ``dy [b, s, C]`` contiguous -> ``dx [s, b, C]`` (x's dtype), ``dweight [C, K]`` (weight's dtype,
+    summed in fp32), in one launch. ``chunk``: time steps per program, any T >= 1 (default :func:`bwd_chunk`)."""
+    seq, batch, channels = xs[0].shape
+    kernel_size = weights[0].shape[1]
     cfg = bwd_config(kernel_size)
     if chunk is None:
-        chunk = bwd_chunk(seq, batch, channels, kernel_size, x.device)
-    grid = (triton.cdiv(seq, chunk), triton.cdiv(channels, cfg["BC"]), batch)
-    dx = torch.empty_like(x)
-    # One [K, C] slot per (time chunk, sample); every slot is fully written (all channel tiles).
-    dw_part = torch.empty(grid[0] * batch, kernel_size, channels, device=x.device, dtype=torch.float32)
-    conv_bwd_kernel[grid](x, weight, dy, dx, dw_part, seq, batch, channels, chunk, K=kernel_size, **cfg)
-    dweight = dw_part.sum(0).t().contiguous().to(weight.dtype)
-    return dx, dweight
+        chunk = bwd_chunk(seq, batch * len(xs), channels, kernel_size, xs[0].device)
+    grid = (triton.cdiv(seq, chunk), triton.cdiv(channels, cfg["BC"]), batch * len(xs))
+    dxs = [torch.empty_like(x) for x in xs]
+    # One [C, K] slot per (part, time chunk, sample); every slot is fully written (all channel tiles).
+    dw_part = torch.empty(len(xs), grid[0] * batch, channels, kernel_size, device=xs[0].device, dtype=torch.float32)
+    conv_bwd_kernel[grid](*_three(xs), *_three(weights), *_three(dys), *_three(dxs), dw_part, seq, batch, channels,
+                          chunk, K=kernel_size, **cfg)
+    dweights = dw_part.sum(1)  # [parts, C, K] fp32, one reduction for all parts
+    if all(w.dtype == weights[0].dtype for w in weights):
+        dweights = dweights.to(weights[0].dtype)  # one cast (none for fp32 weights)
+        return dxs, list(dweights.unbind(0))
+    return dxs, [dw.to(w.dtype) for dw, w in zip(dweights.unbind(0), weights)]

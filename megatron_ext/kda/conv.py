@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kimi_kernels.short_conv import causal_conv_silu, causal_conv_silu_reference
+from kimi_kernels.short_conv import causal_conv_silu, causal_conv_silu_group, causal_conv_silu_reference
 from megatron_ext.kda.sharding import TPShardedModule, head_split_parameter, param_device
 
 
@@ -31,12 +31,22 @@ class CausalShortConv(TPShardedModule):
         weight = torch.empty(channels, kernel_size).uniform_(-bound, bound)
         self.weight = head_split_parameter(weight, tp_group, param_device(config), config.params_dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def weight_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight as the kernel takes it for input ``x``: fp32 or x's dtype."""
         weight = self.weight
         if weight.dtype not in (torch.float32, x.dtype):  # e.g. fp16 params under bf16 activations
             weight = weight.to(x.dtype)
-        return causal_conv_silu(x, weight)
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return causal_conv_silu(x, self.weight_for(x))
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The PyTorch path (pad + depthwise conv1d + SiLU, weight cast to x's dtype) on any device."""
         return causal_conv_silu_reference(x, self.weight)
+
+
+def convolve_together(convs, xs) -> list:
+    """Each of ``convs`` on its input of ``xs``, as its forward does, in one kernel launch each way where the
+    inputs share a shape (a KDA layer's q, k and v: three convolutions and three backwards become one each)."""
+    return causal_conv_silu_group(list(xs), [conv.weight_for(x) for conv, x in zip(convs, xs)])

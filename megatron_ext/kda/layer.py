@@ -38,7 +38,7 @@ from megatron.core.utils import get_pg_size
 
 from kimi_kernels.rms_norm import rms_norm
 from megatron_ext.config import ConfigError
-from megatron_ext.kda.conv import CausalShortConv
+from megatron_ext.kda.conv import CausalShortConv, convolve_together
 from megatron_ext.kda.core import kda_core
 from megatron_ext.kda.lowrank import LowRankProjection
 from megatron_ext.kda.sharding import (
@@ -183,9 +183,8 @@ class KDAAttention(TPShardedModule):
             raise NotImplementedError("KDAAttention has no inference (recurrent state) path yet")
         # The causal mask is implicit in the recurrence; attention_mask is ignored.
         x = full_sequence(hidden_states, self.config.sequence_parallel, self.tp_group)  # [s, b, h]
-        q = self._heads(self.q_conv(self.q_proj(x)[0]))
-        k = self._heads(self.k_conv(self.k_proj(x)[0]))
-        v = self._heads(self.v_conv(self.v_proj(x)[0]))
+        q, k, v = (self._heads(y) for y in convolve_together(
+            (self.q_conv, self.k_conv, self.v_conv), (self.q_proj(x)[0], self.k_proj(x)[0], self.v_proj(x)[0])))
         f = self._heads(self.f_proj(hidden_states).transpose(0, 1))  # down on the shard, up gathers
         # fp32 sigmoid, then the cast to q's dtype and the [b, s] layout in one copy (.to returns
         # its input when the dtype already matches: .contiguous() then makes the copy).

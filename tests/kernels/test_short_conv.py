@@ -4,7 +4,7 @@ in a subprocess started by ``test_cases_under_interpreter``; GPU: bf16 against t
 import pytest
 import torch
 
-from kimi_kernels.short_conv import causal_conv_silu, causal_conv_silu_reference
+from kimi_kernels.short_conv import causal_conv_silu, causal_conv_silu_group, causal_conv_silu_reference
 from tests.kernels.interpreter import interpreter_case, launcher_test
 
 test_cases_under_interpreter = launcher_test(__file__)
@@ -86,8 +86,49 @@ def test_backward_chunks_match_reference(seq, batch, channels, kernel_size, chun
     x, weight, cotangent = make_case(seq, batch, channels, kernel_size, torch.float32, seed=seq + kernel_size)
     ref_dx, ref_dw = reference_grads(x, weight, cotangent)
     for chunk in (None, *chunks):
-        dx, dw = conv_bwd(cotangent.contiguous(), x, weight, chunk=chunk)
+        (dx,), (dw,) = conv_bwd([cotangent.contiguous()], [x], [weight], chunk=chunk)
         assert rel_err(dx, ref_dx) < 1e-5 and rel_err(dw, ref_dw) < 1e-5, chunk
+
+
+def run_group(xs, weights, cotangents, use_kernel):
+    xs = [x.clone().requires_grad_() for x in xs]
+    weights = [w.clone().requires_grad_() for w in weights]
+    ys = causal_conv_silu_group(xs, weights, use_kernel=use_kernel)
+    sum((y.float() * c).sum() for y, c in zip(ys, cotangents)).backward()
+    return ys, [x.grad for x in xs], [w.grad for w in weights]
+
+
+@interpreter_case
+@pytest.mark.parametrize("parts,chunk", [(3, None), (2, 3), (3, 7)])
+def test_group_equals_one_call_per_part(parts, chunk, monkeypatch):
+    """q, k and v of a KDA layer in one launch each way: every part's y, dx and dweight equal to its own call's,
+    bit for bit (the same arithmetic; only the program's part and its dweight slots differ), also when the
+    backward's time chunks split the sequence."""
+    from kimi_kernels.short_conv import fused
+
+    if chunk is not None:
+        monkeypatch.setattr(fused, "bwd_chunk", lambda *args: chunk)
+    cases = [make_case(29, 2, 150, 4, torch.float32, seed=10 + i) for i in range(parts)]
+    xs, weights, cotangents = (list(t) for t in zip(*cases))
+    grouped = run_group(xs, weights, cotangents, use_kernel=True)
+    single = [run(x, w, c, use_kernel=True) for x, w, c in cases]
+    for i in range(parts):
+        for got, want, name in zip((grouped[0][i], grouped[1][i], grouped[2][i]), single[i], ("y", "dx", "dw")):
+            assert torch.equal(got, want), (i, name)
+    ref = [run(x, w, c, use_kernel=False) for x, w, c in cases]
+    assert rel_err(grouped[2][1], ref[1][2]) < 1e-5  # and each is the reference's
+
+
+@interpreter_case
+def test_group_of_mixed_parts_runs_one_launch_each():
+    """Parts of different shapes (or more than three) are taken one launch each, with the same results."""
+    a = make_case(17, 2, 40, 3, torch.float32, seed=1)
+    b = make_case(17, 2, 24, 3, torch.float32, seed=2)
+    grouped = run_group([a[0], b[0]], [a[1], b[1]], [a[2], b[2]], use_kernel=True)
+    for i, case in enumerate((a, b)):
+        want = run(*case, use_kernel=True)
+        assert torch.equal(grouped[0][i], want[0]) and torch.equal(grouped[1][i], want[1])
+        assert torch.equal(grouped[2][i], want[2])
 
 
 @interpreter_case
@@ -139,6 +180,11 @@ def test_reference_is_the_cpu_default():
 def test_bad_shapes_are_refused(x_shape, w_shape, match):
     with pytest.raises(ValueError, match=match):
         causal_conv_silu(torch.randn(x_shape), torch.randn(w_shape))
+
+
+def test_group_refuses_a_missing_weight():
+    with pytest.raises(ValueError, match="one weight per input: got 2 inputs and 1 weights"):
+        causal_conv_silu_group([torch.randn(8, 2, 16)] * 2, [torch.randn(16, 4)])
 
 
 def test_bad_dtypes_are_refused():
