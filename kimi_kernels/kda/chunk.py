@@ -52,7 +52,9 @@ GATE_CONFIG = _launch(COLS=256, RB=4, RB_NORM=8, num_warps=1, num_stages=1, maxn
 # 3 stages took 214 registers and ran two. (16-wide V tiles would fit 159 without spills, but their 16-deep dots
 # are what Triton 3.6 miscompiles on sm_90: see _block_k.)
 DV_CONFIG = _launch(BV=32, num_warps=4, num_stages=1, maxnreg=168)
-INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=8)  # one (64-wide K tile, chunk, head) per program
+# inter_bwd at 4 warps: 255 registers (32 bytes of spill under Triton 3.6), so two CTAs an SM where 8 warps at 235
+# registers ran one, and one program's load and barrier chain no longer idles the SM
+INTER_BWD_CONFIG = _launch(BK=64, BV=32, num_warps=4)  # one (64-wide K tile, chunk, head) per program
 # one 16-row block of a chunk per program; latency-bound (intra_bwd.py): 128 registers keep 4 CTAs on an SM. ptxas
 # takes 168 uncapped with Triton 3.6 (the GPU machine's) and spills 16-20 bytes at 128; 52 with Triton 3.8
 # (tests/kernels/test_kda_compile.py)
