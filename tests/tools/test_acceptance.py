@@ -70,6 +70,11 @@ def test_merge_joins_the_calls_of_one_commit(tmp_path):
     paths[1].write_text(json.dumps(second))
     with pytest.raises(SystemExit, match="different commits"):
         acceptance.merge([str(p) for p in paths], str(tmp_path / "out2.json"))
+    acceptance.merge([str(p) for p in paths], str(tmp_path / "out3.json"), mixed_commits=True)
+    mixed = json.loads((tmp_path / "out3.json").read_text())
+    assert {s["name"]: (s["passed"], s["commit"]) for s in mixed["steps"]} == {"resume": (True, "abc"),
+                                                                              "gpu-tests": (True, "def")}
+    assert mixed["commit"] == "def" and [c["commit"] for c in mixed["calls"]] == ["abc", "def"]
 
 
 def test_steps_are_checked_and_groups_expand_before_anything_runs():

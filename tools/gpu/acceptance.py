@@ -46,7 +46,8 @@ how a run is started, signalled and read back: ``tools/gpu/acceptance_runs.py``.
 ``--config`` and ``--extra`` exist for a dry run of the script itself on the CPU (e.g. ``--config configs/tiny.yaml
 --extra="--expert-model-parallel-size 1"``); the GPU run uses the defaults.
 
-``python tools/gpu/acceptance.py merge A.json B.json --out C.json`` joins the JSON of two calls of one commit.
+``python tools/gpu/acceptance.py merge A.json B.json --out C.json`` joins the JSON of two calls of one commit
+(``--mixed-commits``: of two commits, each step naming its own).
 """
 
 from __future__ import annotations
@@ -324,16 +325,19 @@ def run_steps(args) -> int:
     return 0 if all(r.get("passed") is not False for r in report["steps"]) else 1
 
 
-def merge(paths: list[str], out: str) -> int:
+def merge(paths: list[str], out: str, mixed_commits: bool = False) -> int:
+    """Join the JSON of several calls; a later call's step replaces an earlier one of the same name. Calls of
+    different commits join only with ``mixed_commits`` (each step then names its commit; the top-level commit is
+    the last call's), for a step left from an earlier commit whose change did not touch what it checks."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
-    commits = {r["commit"] for r in reports}
-    if len(commits) != 1:
-        raise SystemExit(f"the calls ran different commits: {sorted(commits)}")
-    merged = {**reports[0], "steps": [], "calls": [{"date": r["date"], "device": r["device"],
-                                                   "steps": [s["name"] for s in r["steps"]]} for r in reports]}
+    commits = [r["commit"] for r in reports]
+    if len(set(commits)) != 1 and not mixed_commits:
+        raise SystemExit(f"the calls ran different commits: {sorted(set(commits))} (--mixed-commits joins them)")
+    merged = {**reports[-1], "steps": [], "calls": [{"date": r["date"], "device": r["device"], "commit": r["commit"],
+                                                    "steps": [s["name"] for s in r["steps"]]} for r in reports]}
     for report in reports:
         merged["steps"] = [s for s in merged["steps"] if s["name"] not in {t["name"] for t in report["steps"]}]
-        merged["steps"] += report["steps"]
+        merged["steps"] += [{**s, "commit": report["commit"]} for s in report["steps"]]
     Path(out).write_text(json.dumps(merged, indent=1) + "\n")
     return 0
 
@@ -347,9 +351,10 @@ def main() -> int:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="the training config (a CPU dry run: tiny.yaml)")
     parser.add_argument("--extra", default="", help="flags added to every launch/train.py run (a CPU dry run)")
     parser.add_argument("--commit", default=os.environ.get("ACCEPTANCE_COMMIT", "unknown"))
+    parser.add_argument("--mixed-commits", action="store_true", help="with 'merge': join calls of different commits")
     args = parser.parse_args()
     if args.paths[:1] == ["merge"]:
-        return merge(args.paths[1:], args.out)
+        return merge(args.paths[1:], args.out, args.mixed_commits)
     return run_steps(args)
 
 
