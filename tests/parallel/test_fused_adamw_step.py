@@ -179,7 +179,6 @@ def test_fused_step_equals_megatrons_clip_adamw_and_copy():
 
 
 GPU_SCRIPT = """
-import sys
 import torch, torch.distributed as dist
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)

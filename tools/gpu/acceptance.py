@@ -330,9 +330,9 @@ def merge(paths: list[str], out: str, mixed_commits: bool = False) -> int:
     different commits join only with ``mixed_commits`` (each step then names its commit; the top-level commit is
     the last call's), for a step left from an earlier commit whose change did not touch what it checks."""
     reports = [json.loads(Path(p).read_text()) for p in paths]
-    commits = [r["commit"] for r in reports]
-    if len(set(commits)) != 1 and not mixed_commits:
-        raise SystemExit(f"the calls ran different commits: {sorted(set(commits))} (--mixed-commits joins them)")
+    commits = {r["commit"] for r in reports}
+    if len(commits) != 1 and not mixed_commits:
+        raise SystemExit(f"the calls ran different commits: {sorted(commits)} (--mixed-commits joins them)")
     merged = {**reports[-1], "steps": [], "calls": [{"date": r["date"], "device": r["device"], "commit": r["commit"],
                                                     "steps": [s["name"] for s in r["steps"]]} for r in reports]}
     for report in reports:
