@@ -41,13 +41,13 @@ INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4, num_stages=1, maxnreg=128)
 STATE_CONFIGS = (_launch(BV=16, num_warps=4), _launch(BV=32, num_warps=4), _launch(BV=64, num_warps=4))
 WALK_OPERANDS_CONFIG = _launch(num_warps=8)  # 4 warps spill (ptxas, sm_90)
 OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
-# gate cumsum + L2 norm of q and k (memory-bound, docs/kda.md): one warp per (chunk, COLS columns = 2 heads of
-# 128, one tensor), the rows inside each thread, blocks of RB rows (RB_NORM for the L2 norm) loaded one block
-# ahead. The register cap keeps at least 16 programs an SM (ptxas, no spills: 128 registers under Triton 3.8, 116
-# under 3.6, tests/kernels/test_kda_compile.py); wider blocks spill under it (RB = 8: 232 B under 3.8, 28 B under
-# 3.6; RB_NORM = 16: ~130 B under both). num_stages=1: the loops' own one-block-ahead loads are the pipeline
-# (Triton 3.8 compiles the same code at 3; another version's pipeliner could move them through shared memory)
-GATE_CONFIG = _launch(COLS=256, RB=4, RB_NORM=8, num_warps=1, num_stages=1, maxnreg=128)
+# gate cumsum with q's L2 norm and QG, and k's L2 norm (memory-bound, docs/kda.md): one warp per (chunk, COLS
+# columns = 2 heads of 128, one part), the rows inside each thread, blocks of RB rows of f and q (RB_NORM rows of
+# k) loaded one block ahead. The register cap keeps at least 16 programs an SM (ptxas, sm_90, no spills under
+# Triton 3.6 and 3.8, tests/kernels/test_kda_compile.py); RB = 4 spills ~450 bytes under it since the gate part
+# also loads q. num_stages=1: the loops' own one-block-ahead loads are the pipeline (Triton 3.8 compiles the same
+# code at 3; another version's pipeliner could move them through shared memory)
+GATE_CONFIG = _launch(COLS=256, RB=2, RB_NORM=8, num_warps=1, num_stages=1, maxnreg=128)
 # num_stages=1 and 168 registers: three CTAs an SM for 28-32 bytes of spill (ptxas, sm_90, Triton 3.6 / 3.8), where
 # 3 stages took 214 registers and ran two. (16-wide V tiles would fit 159 without spills, but their 16-deep dots
 # are what Triton 3.6 miscompiles on sm_90: see _block_k.)
@@ -142,19 +142,21 @@ def gate_layout(f) -> tuple[int, int, int]:
     return f.shape[1], f.stride(0), f.stride(1)
 
 
-def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm):
-    """Chunk-local cumsum of the (optionally activated) gate ``f [B, T, H, K]``, fp32 packed [B T, H, K], and q,
-    k (packed; L2-normalised when l2norm: fused into the same kernel)."""
+def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm, scale):
+    """Chunk-local cumsum of the (optionally activated) gate ``f [B, T, H, K]``, fp32 packed [B T, H, K]; q, k
+    (packed; L2-normalised when l2norm) and the output kernel's ``QG = scale q exp(G)`` (q's dtype), all from
+    one kernel."""
     T, H, K = q.shape
     G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
     qn, kn = (torch.empty_like(q), torch.empty_like(k)) if l2norm else (q, k)
+    QG = torch.empty_like(q)
     hb = heads_per_program(GATE_CONFIG, K)
-    gate_cumsum_kernel[(meta.num_chunks * triton.cdiv(H, hb), 3 if l2norm else 1)](
-        f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn,
-        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, *gate_layout(f), H=H, K=K,
+    gate_cumsum_kernel[(meta.num_chunks * triton.cdiv(H, hb), 2 if l2norm else 1)](
+        f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn, QG,
+        meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, scale, *gate_layout(f), H=H, K=K,
         BK=_block_k(K), HB=hb, GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm,
         **_without_cols(GATE_CONFIG))
-    return G, qn, kn
+    return G, qn, kn, QG
 
 
 def l2norm_bwd(x, dxn):
@@ -165,8 +167,8 @@ def l2norm_bwd(x, dxn):
     return dx
 
 
-def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
-    """Returns o, final state (or None) and the tensors the backward reuses."""
+def kda_fwd(q, k, v, G, QG, beta, scale, h0, output_final_state, safe_gate, meta):
+    """Returns o, final state (or None) and the tensors the backward reuses (QG: see gate_cumsum)."""
     T, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
@@ -188,7 +190,7 @@ def kda_fwd(q, k, v, G, beta, scale, h0, output_final_state, safe_gate, meta):
         meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts, **state_cfg)
     o = torch.empty_like(v)
     output_kernel[(triton.cdiv(V, OUTPUT_CONFIG["BV"]), meta.num_chunks, H)](
-        q, G, hbuf, Mqk, U, o, meta.chunk_start, meta.chunk_len, scale, **opts, **OUTPUT_CONFIG)
+        QG, hbuf, Mqk, U, o, meta.chunk_start, meta.chunk_len, **opts, **OUTPUT_CONFIG)
     return o, ht, (Mqk, Ainv, W, U, hbuf)
 
 
@@ -262,8 +264,9 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                 use_qk_l2norm, gate, lower_bound, safe_gate, cu_seqlens_list):
         meta = chunk_meta(tuple(cu_seqlens_list), q.device)
-        G, qn, kn = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm)
-        o, ht, saved = kda_fwd(qn, kn, v, G, beta, scale, initial_state, output_final_state, safe_gate, meta)
+        G, qn, kn, QG = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm, scale)
+        o, ht, saved = kda_fwd(qn, kn, v, G, QG, beta, scale, initial_state, output_final_state, safe_gate, meta)
+        # QG is not kept: the backward recomputes it (walk_operands_kernel) rather than hold 2 bytes per element.
         # G (fp32) and the normalised q, k are kept rather than recomputed in the backward: the fused gate /
         # L2-norm pass is ~5% of a forward+backward (1.06 ms at B4 T8192 H32 D128), the memory 8 bytes per
         # element of q (the per-chunk states already take 2 * V / 64 = 4 per element at V = 128)

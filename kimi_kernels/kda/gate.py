@@ -70,41 +70,58 @@ def gate_parameters(A_log, dt_bias, col, col_ok, K: tl.constexpr, HAS_A: tl.cons
 
 
 @triton.jit
-def gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, col, col_ok, lower_bound, f_seq_len, f_seq_stride,
-                      f_tok_stride, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr,
-                      GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+def gate_cumsum_chunk(f, A_log, dt_bias, G, q, qn, QG, t0, n, col, col_ok, lower_bound, eps, scale, f_seq_len,
+                      f_seq_stride, f_tok_stride, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
+                      RB: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      NORM: tl.constexpr):
     """G = cumsum over the chunk's rows of gate(f) for the HB * BK columns col (head_group_columns), RB rows at a
-    time, in [RB, HB * BK] tiles. f's column offsets are marked contiguous in runs of 4 only (tl.max_contiguous),
-    so f (bf16) is read in 8-byte runs, 4 columns a run as in G's 16-byte fp32 stores: both accesses take one
-    layout (4 columns a vector, the threads across the columns, a block's rows inside each thread) and the scan
-    over rows is a sum in registers. With f in 16-byte runs, Triton converted every tile between the two layouts
-    through warp shuffles. (An [RB, cols / 4, 4] tile ties its two outer axes in contiguity, and Triton 3.6 broke
-    the tie the other way from 3.8: threads across the rows, a cross-lane scan, and spills.)"""
+    time, in [RB, HB * BK] tiles; with each block of G, the same rows of q: normalised into qn (NORM) and
+    QG = scale qn exp(G), the output kernel's query (so that kernel reads neither q nor the fp32 G).
+    f's column offsets are marked contiguous in runs of 4 only (tl.max_contiguous), so f (bf16) is read in 8-byte
+    runs, 4 columns a run as in G's 16-byte fp32 stores: both accesses take one layout (4 columns a vector, the
+    threads across the columns, a block's rows inside each thread) and the scan over rows is a sum in registers.
+    With f in 16-byte runs, Triton converted every tile between the two layouts through warp shuffles. (An
+    [RB, cols / 4, 4] tile ties its two outer axes in contiguity, and Triton 3.6 broke the tie the other way from
+    3.8: threads across the rows, a cross-lane scan, and spills.)"""
     col, col_ok = col[None, :], col_ok[None, :]
     a, bias = gate_parameters(A_log, dt_bias, col, col_ok, K, HAS_A, HAS_BIAS)
     carry = tl.zeros([1, HB * BK], dtype=tl.float32)
     f_col = f + gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + tl.max_contiguous(col, [1, 4])
-    g_col = G + t0.to(tl.int64) * (H * K) + col
+    start = t0.to(tl.int64) * (H * K) + col  # G, q, qn and QG are packed [T, H, K]
     rows = tl.arange(0, RB)[:, None]
     # two blocks a step, each loaded one block ahead into its own registers: the next block's loads go out
     # before this block's stores, and no loaded register is copied at the loop's back edge (where the warp
     # would wait for the load to land); rows past the chunk (n <= 64) are masked off
     x0 = tl.load(f_col + rows * f_tok_stride, mask=(rows < n) & col_ok, other=0.0)
+    y0 = tl.load(q + start + rows * (H * K), mask=(rows < n) & col_ok, other=0.0)
     for _ in range(64 // (2 * RB)):
         x1 = tl.load(f_col + (rows + RB) * f_tok_stride, mask=(rows + RB < n) & col_ok, other=0.0)
-        carry = gate_cumsum_rows(x0, g_col, rows, n, col_ok, carry, a, bias, lower_bound, H, K, GATE)
+        y1 = tl.load(q + start + (rows + RB) * (H * K), mask=(rows + RB < n) & col_ok, other=0.0)
+        carry = gate_cumsum_rows(x0, y0, G, qn, QG, start, rows, n, col_ok, carry, a, bias, lower_bound, eps,
+                                 scale, H, K, HB, BK, RB, GATE, NORM)
         x0 = tl.load(f_col + (rows + 2 * RB) * f_tok_stride, mask=(rows + 2 * RB < n) & col_ok, other=0.0)
-        carry = gate_cumsum_rows(x1, g_col, rows + RB, n, col_ok, carry, a, bias, lower_bound, H, K, GATE)
+        y0 = tl.load(q + start + (rows + 2 * RB) * (H * K), mask=(rows + 2 * RB < n) & col_ok, other=0.0)
+        carry = gate_cumsum_rows(x1, y1, G, qn, QG, start, rows + RB, n, col_ok, carry, a, bias, lower_bound, eps,
+                                 scale, H, K, HB, BK, RB, GATE, NORM)
         rows += 2 * RB
 
 
 @triton.jit
-def gate_cumsum_rows(x, g_col, rows, n, col_ok, carry, a, bias, lower_bound, H, K: tl.constexpr,
-                     GATE: tl.constexpr):
-    """Stores G for one block of rows (x: its raw gate values); returns the running sum after it."""
+def gate_cumsum_rows(x, y, G, qn, QG, start, rows, n, col_ok, carry, a, bias, lower_bound, eps, scale, H,
+                     K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, GATE: tl.constexpr,
+                     NORM: tl.constexpr):
+    """Stores G, qn (NORM) and QG for one block of rows (x: its raw gate values, y: its q); returns the running
+    sum after it."""
     mask = (rows < n) & col_ok
+    offs = start + rows * (H * K)
     g = tl.where(mask, gate_value(x.to(tl.float32), a, bias, lower_bound, GATE), 0.0)
-    tl.store(g_col + rows * (H * K), carry + tl.cumsum(g, 0), mask=mask)
+    g_rows = carry + tl.cumsum(g, 0)
+    tl.store(G + offs, g_rows, mask=mask)
+    y = y.to(tl.float32)
+    if NORM:
+        y = tl.reshape(l2_normalize_rows(tl.reshape(y, [RB * HB, BK]), eps), [RB, HB * BK])
+        tl.store(qn + offs, y.to(qn.dtype.element_ty), mask=mask)
+    tl.store(QG + offs, (y * tl.exp(g_rows) * scale).to(QG.dtype.element_ty), mask=mask)
     return carry + tl.sum(g, 0, keep_dims=True)
 
 
@@ -133,28 +150,24 @@ def l2_normalize_rows_to(x, dst_col, rows, n, col_ok, eps, H, K: tl.constexpr, H
 
 
 @triton.jit
-def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, chunk_start, chunk_len, lower_bound, eps,
+def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, QG, chunk_start, chunk_len, lower_bound, eps, scale,
                        f_seq_len, f_seq_stride, f_tok_stride, H, K: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
                        RB: tl.constexpr, RB_NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
-    """Grid (chunk x group of HB heads, 1 + 2 * NORM). Part 0: G = cumsum over the chunk of gate(f), in fp32 (f
-    addressed through its strides, see gate_token_offset); with NORM, parts 1 and 2 write the L2-normalised q and
-    k (fp32 math, stored in their dtype).
+    """Grid (chunk x group of HB heads, 1 + NORM). Part 0: G = cumsum over the chunk of gate(f), in fp32 (f
+    addressed through its strides, see gate_token_offset), and from q (L2-normalised with NORM, stored as qn)
+    QG = scale qn exp(G); with NORM, part 1 writes the L2-normalised k (fp32 math, stored in their dtype).
     Memory-bound, so shaped for few instructions per element and enough loads in flight: one warp a program (launch
-    table), its tile RB rows x HB heads x BK columns (HB * BK = 256), 8 columns a thread (L2 norm: one 16-byte
-    load of bf16 a row; cumsum: two 8-byte runs of f, each stored as 16 bytes of G) and the rows inside each
-    thread. The cumsum over rows is a sequential sum in registers (no shuffles, no shared memory), carried from
-    block to block; a row's L2 norm is a sum over the 16 threads of its head's 128 columns. The head groups of a
-    chunk are neighbouring programs, so programs launched together read whole token rows of q, k and f."""
+    table), its tile RB rows x HB heads x BK columns (HB * BK = 256), the rows inside each thread. The cumsum over
+    rows is a sequential sum in registers (no shuffles, no shared memory), carried from block to block; a row's L2
+    norm is a sum over the threads of its head's columns. The head groups of a chunk are neighbouring programs, so
+    programs launched together read whole token rows of q, k and f."""
     groups = tl.cdiv(H, HB)
     c, hg, part = tl.program_id(0) // groups, tl.program_id(0) % groups, tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     col, col_ok = head_group_columns(hg, H, K, BK, HB)
     if part == 0:
-        gate_cumsum_chunk(f, A_log, dt_bias, G, t0, n, col, col_ok, lower_bound, f_seq_len, f_seq_stride,
-                          f_tok_stride, H, K, HB, BK, RB, GATE, HAS_A, HAS_BIAS)
+        gate_cumsum_chunk(f, A_log, dt_bias, G, q, qn, QG, t0, n, col, col_ok, lower_bound, eps, scale, f_seq_len,
+                          f_seq_stride, f_tok_stride, H, K, HB, BK, RB, GATE, HAS_A, HAS_BIAS, NORM)
     else:
-        src, dst = q, qn
-        if part == 2:
-            src, dst = k, kn
-        l2_normalize_chunk(src, dst, t0, n, col, col_ok, eps, H, K, HB, BK, RB_NORM)
+        l2_normalize_chunk(k, kn, t0, n, col, col_ok, eps, H, K, HB, BK, RB_NORM)

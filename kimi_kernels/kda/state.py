@@ -5,7 +5,8 @@ Per chunk, with S the state at the chunk start, Gl = G[last] and kgl = k * exp(G
 The state kernels walk the chunks of one sequence in order (one program per (V tile, sequence, head))
 and store S per chunk (forward) or dS_next per chunk (backward) for the parallel kernels. Their chunk steps
 are serial, so whatever does not depend on the state is computed before, in parallel over chunks: kgl (by
-``intra_fwd_kernel`` for the forward, ``walk_operands_kernel`` for the backward) and scale q exp(G).
+``intra_fwd_kernel`` for the forward, ``walk_operands_kernel`` for the backward) and scale q exp(G) (by the
+gate pass for the output kernel, ``walk_operands_kernel`` for the backward).
 """
 
 import triton
@@ -96,13 +97,15 @@ def state_fwd_kernel(KGL, W, U0, G, h0, hbuf, U, ht, seq_chunks, chunk_start, ch
 
 
 @triton.jit
-def output_kernel(q, G, hbuf, Mqk, U, O, chunk_start, chunk_len, scale,
+def output_kernel(QG, hbuf, Mqk, U, O, chunk_start, chunk_len,
                   H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                   DOT_BF16: tl.constexpr):
+    """o = QG S + Mqk u per (V tile, chunk, head); QG = scale q exp(G) comes from the gate pass
+    (gate_cumsum_kernel), in q's dtype."""
     vb, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     v0 = vb * BV
-    qg = query_decayed(q, G, t0, n, h, H, K, BK, scale)
+    qg = load_rows(QG, t0, n, h, H, K, 0, BK)
     offs_c, mask_s = state_offsets(c, h, v0, H, K, V, BK, BV)
     S = tl.load(hbuf + offs_c, mask=mask_s, other=0.0)
     o = tl.dot(to_dot(qg, DOT_BF16), to_dot(S, DOT_BF16))

@@ -121,10 +121,10 @@ def test_kda_kernel_compiles_for_hopper_without_spills(name):
 # run two blocks a step, after one block loaded ahead. ld.global.v2.b32 is 4 bf16 (8 bytes), ld/st.global.v4.b32
 # 8 bf16 or 4 fp32 (16 bytes); 3 loads of a block = one ahead + two in the loop.
 GATE_ACCESSES = {
-    # f: 2 x 8 bytes a row (blocks of RB = 4 rows); q or k: 16 bytes a row (RB_NORM = 8), + dt_bias; G: 2 x 16 bytes
-    # a row, qn / kn 16 bytes a row
-    "gate_cumsum": {"ld.global.v2.b32": 3 * 4 * 2, "ld.global.v4.b32": 3 * 8 + 2,
-                    "st.global.v4.b32": 2 * 4 * 2 + 2 * 8},
+    # gate part (blocks of RB = 2 rows): f and q 2 x 8 bytes a row each, G 2 x 16 bytes a row, qn and QG 2 x 8
+    # bytes a row each; k part: k 16 bytes a row (RB_NORM = 8), kn 16 bytes a row; + dt_bias
+    "gate_cumsum": {"ld.global.v2.b32": 3 * 2 * 2 * 2, "ld.global.v4.b32": 3 * 8 + 2,
+                    "st.global.v4.b32": 2 * 2 * 2 + 2 * 8, "st.global.v2.b32": 2 * 2 * 2 * 2},
     # dG: 2 x 16 bytes a row, f: 16 bytes a row (blocks of RB = 2 rows), + dlast, dt_bias; dg: 16 bytes a row, +
     # the ddt_bias partial sums
     "gate_bwd": {"ld.global.v4.b32": 3 * 2 * 3 + 2 + 2, "st.global.v4.b32": 2 * 2 + 2},
