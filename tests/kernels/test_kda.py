@@ -62,14 +62,17 @@ def rel_err(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
 
 
-def assert_match(results, tol, expect_grads):
+def assert_match(results, tol, expect_grads, grad_tols=None):
+    """Outputs, final state and the gradients ``expect_grads`` within ``tol`` (max-normalised), a gradient named
+    in ``grad_tols`` within its own."""
     (o, s, grads), (o_ref, s_ref, grads_ref) = results
     assert rel_err(o, o_ref) < tol, f"output rel err {rel_err(o, o_ref)}"
     assert rel_err(s, s_ref) < tol, f"final state rel err {rel_err(s, s_ref)}"
     assert set(grads) == set(grads_ref) and set(expect_grads) <= set(grads)
     for n in expect_grads:
         assert torch.isfinite(grads[n]).all(), n
-        assert rel_err(grads[n], grads_ref[n]) < tol, f"d{n} rel err {rel_err(grads[n], grads_ref[n])}"
+        limit = (grad_tols or {}).get(n, tol)
+        assert rel_err(grads[n], grads_ref[n]) < limit, f"d{n} rel err {rel_err(grads[n], grads_ref[n])}"
 
 
 def test_chunked_reference_equals_recurrence():
@@ -132,7 +135,10 @@ def test_softplus_gate_in_kernel():
     """Unbounded gate: the diagonal tiles take the per-position path; A_log large to make decays strong."""
     x = make_inputs(1, 40, 1, 16, 16, seed=3)
     x["A_log"] = x["A_log"] + 1.5
-    assert_match(run_pair(x, "softplus"), 1e-4, NAMES)
+    # dA_log sums -softplus(f + dt_bias) dg over every token and channel of the head, terms that largely cancel:
+    # two fp32 summation orders (ours, the reference's) differ by ~1e-4 of its size (8.5e-5 and 1.1e-4 for two
+    # blockings of the same gate cumsum); a wrong term moves it by O(1)
+    assert_match(run_pair(x, "softplus"), 1e-4, NAMES, grad_tols={"A_log": 3e-4})
 
 
 @interpreter_case
