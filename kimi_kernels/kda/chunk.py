@@ -143,20 +143,20 @@ def gate_layout(f) -> tuple[int, int, int]:
 
 
 def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm, scale):
-    """Chunk-local cumsum of the (optionally activated) gate ``f [B, T, H, K]``, fp32 packed [B T, H, K]; q, k
-    (packed; L2-normalised when l2norm) and the output kernel's ``QG = scale q exp(G)`` (q's dtype), all from
-    one kernel."""
+    """One kernel: the chunk-local cumsum G of the (optionally activated) gate ``f [B, T, H, K]``, fp32 packed
+    [B T, H, K]; the output kernel's ``QG = scale qn exp(G)`` (q's dtype); and, when l2norm, the inverse L2 norms
+    of q and k per (token, head), fp32 [B T, H] (else None), with qn = q * inv_q (q itself without l2norm)."""
     T, H, K = q.shape
     G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
-    qn, kn = (torch.empty_like(q), torch.empty_like(k)) if l2norm else (q, k)
+    inv_q, inv_k = (torch.empty(T, H, dtype=torch.float32, device=f.device) for _ in range(2))
     QG = torch.empty_like(q)
     hb = heads_per_program(GATE_CONFIG, K)
     gate_cumsum_kernel[(meta.num_chunks * triton.cdiv(H, hb), 2 if l2norm else 1)](
-        f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, qn, kn, QG,
+        f, A_log if A_log is not None else f, dt_bias if dt_bias is not None else f, G, q, k, inv_q, inv_k, QG,
         meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, scale, *gate_layout(f), H=H, K=K,
         BK=_block_k(K), HB=hb, GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm,
         **_without_cols(GATE_CONFIG))
-    return G, qn, kn, QG
+    return G, QG, (inv_q, inv_k) if l2norm else None
 
 
 def l2norm_bwd(x, dxn):
@@ -167,8 +167,9 @@ def l2norm_bwd(x, dxn):
     return dx
 
 
-def kda_fwd(q, k, v, G, QG, beta, scale, h0, output_final_state, safe_gate, meta):
-    """Returns o, final state (or None) and the tensors the backward reuses (QG: see gate_cumsum)."""
+def kda_fwd(q, k, v, G, QG, norms, beta, scale, h0, output_final_state, safe_gate, meta):
+    """Returns o, final state (or None) and the tensors the backward reuses. q, k raw; ``norms``: (inv_q, inv_k)
+    when they are L2-normalised (QG and norms: see gate_cumsum)."""
     T, H, K = q.shape
     V = v.shape[-1]
     dev, dt = q.device, q.dtype
@@ -177,10 +178,11 @@ def kda_fwd(q, k, v, G, QG, beta, scale, h0, output_final_state, safe_gate, meta
     Ainv = torch.empty(T, H, CHUNK, dtype=torch.float32, device=dev)
     W = torch.empty(T, H, K, dtype=dt, device=dev)
     U0 = torch.empty(T, H, V, dtype=dt, device=dev)
-    KGL = torch.empty_like(k)  # the walk's k exp(G_last - G), in the dot dtype
-    intra_fwd_kernel[(meta.num_chunks, H)](q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, meta.chunk_start,
-                                           meta.chunk_len, scale, SAFE_GATE=safe_gate,
-                                           KS=min(KS, opts["BK"]), **opts, **INTRA_FWD_CONFIG)
+    KGL = torch.empty_like(k)  # the walk's kn exp(G_last - G), in the dot dtype
+    inv_q, inv_k = norms or (G, G)
+    intra_fwd_kernel[(meta.num_chunks, H)](q, k, v, beta, G, inv_q, inv_k, Mqk, Ainv, W, U0, KGL, meta.chunk_start,
+                                           meta.chunk_len, scale, SAFE_GATE=safe_gate, KS=min(KS, opts["BK"]),
+                                           NORM=norms is not None, **opts, **INTRA_FWD_CONFIG)
     hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
     U = torch.empty_like(U0)
     ht = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
@@ -194,19 +196,26 @@ def kda_fwd(q, k, v, G, QG, beta, scale, h0, output_final_state, safe_gate, meta
     return o, ht, (Mqk, Ainv, W, U, hbuf)
 
 
-def kda_bwd(q, k, v, G, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lower_bound, gate, safe_gate, meta,
-            dqk_dtype):
-    """Gradients of kda_fwd; dg is w.r.t. the raw gate input when gate != GATE_GIVEN (in f's dtype and layout,
-    like dv in v's dtype). dq and dk come out in dqk_dtype (fp32 when an L2-norm backward follows)."""
+def kda_bwd(q, k, v, G, norms, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lower_bound, gate, safe_gate,
+            meta, dqk_dtype):
+    """Gradients of kda_fwd (q, k raw, ``norms`` as there); dg is w.r.t. the raw gate input when gate !=
+    GATE_GIVEN (in f's dtype and layout, like dv in v's dtype). dq and dk are w.r.t. the normalised q, k when
+    ``norms`` is given, in dqk_dtype (fp32 when an L2-norm backward follows)."""
     Mqk, Ainv, W, U, hbuf = saved
     T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
     opts = dict(H=H, K=K, V=V, BK=_block_k(K), DOT_BF16=q.dtype == torch.bfloat16)
-    # the walk's state-independent operands, recomputed rather than kept from the forward (2 T H K elements)
+    # the walk's state-independent operands, recomputed rather than kept from the forward (2 T H K elements), and
+    # the normalised q, k that the other backward kernels read (the forward writes none: 4 bytes per element of
+    # activation memory less)
     KGL, QG = torch.empty_like(k), torch.empty_like(q)
-    walk_operands_kernel[(meta.num_chunks, H)](q, k, G, QG, KGL, meta.chunk_start, meta.chunk_len, scale, H, K=K,
-                                               BK=opts["BK"], **WALK_OPERANDS_CONFIG)
+    qn, kn = (torch.empty_like(q), torch.empty_like(k)) if norms is not None else (q, k)
+    inv_q, inv_k = norms or (G, G)
+    walk_operands_kernel[(meta.num_chunks, H)](q, k, G, inv_q, inv_k, qn, kn, QG, KGL, meta.chunk_start,
+                                               meta.chunk_len, scale, H, K=K, BK=opts["BK"], NORM=norms is not None,
+                                               **WALK_OPERANDS_CONFIG)
+    q, k = qn, kn
     dhbuf = torch.empty_like(hbuf)
     dU = torch.empty_like(U)
     dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
@@ -264,23 +273,23 @@ class ChunkKDAFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
                 use_qk_l2norm, gate, lower_bound, safe_gate, cu_seqlens_list):
         meta = chunk_meta(tuple(cu_seqlens_list), q.device)
-        G, qn, kn, QG = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm, scale)
-        o, ht, saved = kda_fwd(qn, kn, v, G, QG, beta, scale, initial_state, output_final_state, safe_gate, meta)
-        # QG is not kept: the backward recomputes it (walk_operands_kernel) rather than hold 2 bytes per element.
-        # G (fp32) and the normalised q, k are kept rather than recomputed in the backward: the fused gate /
-        # L2-norm pass is ~5% of a forward+backward (1.06 ms at B4 T8192 H32 D128), the memory 8 bytes per
-        # element of q (the per-chunk states already take 2 * V / 64 = 4 per element at V = 128)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, G, qn, kn, *saved)
+        G, QG, norms = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm, scale)
+        o, ht, saved = kda_fwd(q, k, v, G, QG, norms, beta, scale, initial_state, output_final_state, safe_gate, meta)
+        # G (fp32) and the inverse norms are kept rather than recomputed in the backward (the gate pass is ~5% of a
+        # forward+backward at B4 T8192 H32 D128), 4 bytes per element of q; QG and the normalised q, k are not:
+        # the backward's walk_operands_kernel writes them from q, k, G and the norms
+        inv_q, inv_k = norms or (None, None)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, G, inv_q, inv_k, *saved)
         ctx.args = (scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, h0, G, qn, kn, *saved = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, h0, G, inv_q, inv_k, *saved = ctx.saved_tensors
         scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta = ctx.args
         dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0 = kda_bwd(
-            qn, kn, v, G, beta, scale, h0, dht, do.contiguous(), saved, g, A_log, dt_bias, lower_bound, gate,
-            safe_gate, meta, torch.float32 if use_qk_l2norm else q.dtype)
+            q, k, v, G, (inv_q, inv_k) if use_qk_l2norm else None, beta, scale, h0, dht, do.contiguous(), saved, g,
+            A_log, dt_bias, lower_bound, gate, safe_gate, meta, torch.float32 if use_qk_l2norm else q.dtype)
         if use_qk_l2norm:
             dq, dk = l2norm_bwd(q, dq), l2norm_bwd(k, dk)
         return (dq, dk, dv, dg, dbeta,

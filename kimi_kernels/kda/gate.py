@@ -7,7 +7,7 @@ GATE codes (constexpr): 0 = g is already the log-decay, 1 = softplus gate
 import triton
 import triton.language as tl
 
-from kimi_kernels.kda.l2norm import l2_normalize_rows
+from kimi_kernels.kda.l2norm import l2_inverse_norms
 
 GATE_GIVEN, GATE_SOFTPLUS, GATE_LOWER_BOUND = 0, 1, 2
 
@@ -70,13 +70,14 @@ def gate_parameters(A_log, dt_bias, col, col_ok, K: tl.constexpr, HAS_A: tl.cons
 
 
 @triton.jit
-def gate_cumsum_chunk(f, A_log, dt_bias, G, q, qn, QG, t0, n, col, col_ok, lower_bound, eps, scale, f_seq_len,
+def gate_cumsum_chunk(f, A_log, dt_bias, G, q, inv_q, QG, t0, n, hg, col, col_ok, lower_bound, eps, scale, f_seq_len,
                       f_seq_stride, f_tok_stride, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
                       RB: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                       NORM: tl.constexpr):
     """G = cumsum over the chunk's rows of gate(f) for the HB * BK columns col (head_group_columns), RB rows at a
-    time, in [RB, HB * BK] tiles; with each block of G, the same rows of q: normalised into qn (NORM) and
-    QG = scale qn exp(G), the output kernel's query (so that kernel reads neither q nor the fp32 G).
+    time, in [RB, HB * BK] tiles; with each block of G, the same rows of q: their inverse L2 norms per head into
+    inv_q (NORM; fp32 [T, H]) and QG = scale qn exp(G), qn = q inv_q, the output kernel's query (so that kernel
+    reads neither q nor the fp32 G).
     f's column offsets are marked contiguous in runs of 4 only (tl.max_contiguous), so f (bf16) is read in 8-byte
     runs, 4 columns a run as in G's 16-byte fp32 stores: both accesses take one layout (4 columns a vector, the
     threads across the columns, a block's rows inside each thread) and the scan over rows is a sum in registers.
@@ -87,7 +88,7 @@ def gate_cumsum_chunk(f, A_log, dt_bias, G, q, qn, QG, t0, n, col, col_ok, lower
     a, bias = gate_parameters(A_log, dt_bias, col, col_ok, K, HAS_A, HAS_BIAS)
     carry = tl.zeros([1, HB * BK], dtype=tl.float32)
     f_col = f + gate_token_offset(t0, f_seq_len, f_seq_stride, f_tok_stride) + tl.max_contiguous(col, [1, 4])
-    start = t0.to(tl.int64) * (H * K) + col  # G, q, qn and QG are packed [T, H, K]
+    start = t0.to(tl.int64) * (H * K) + col  # G, q and QG are packed [T, H, K]
     rows = tl.arange(0, RB)[:, None]
     # two blocks a step, each loaded one block ahead into its own registers: the next block's loads go out
     # before this block's stores, and no loaded register is copied at the loop's back edge (where the warp
@@ -97,20 +98,20 @@ def gate_cumsum_chunk(f, A_log, dt_bias, G, q, qn, QG, t0, n, col, col_ok, lower
     for _ in range(64 // (2 * RB)):
         x1 = tl.load(f_col + (rows + RB) * f_tok_stride, mask=(rows + RB < n) & col_ok, other=0.0)
         y1 = tl.load(q + start + (rows + RB) * (H * K), mask=(rows + RB < n) & col_ok, other=0.0)
-        carry = gate_cumsum_rows(x0, y0, G, qn, QG, start, rows, n, col_ok, carry, a, bias, lower_bound, eps,
-                                 scale, H, K, HB, BK, RB, GATE, NORM)
+        carry = gate_cumsum_rows(x0, y0, G, inv_q, QG, start, t0, hg, rows, n, col_ok, carry, a, bias, lower_bound,
+                                 eps, scale, H, K, HB, BK, RB, GATE, NORM)
         x0 = tl.load(f_col + (rows + 2 * RB) * f_tok_stride, mask=(rows + 2 * RB < n) & col_ok, other=0.0)
         y0 = tl.load(q + start + (rows + 2 * RB) * (H * K), mask=(rows + 2 * RB < n) & col_ok, other=0.0)
-        carry = gate_cumsum_rows(x1, y1, G, qn, QG, start, rows + RB, n, col_ok, carry, a, bias, lower_bound, eps,
-                                 scale, H, K, HB, BK, RB, GATE, NORM)
+        carry = gate_cumsum_rows(x1, y1, G, inv_q, QG, start, t0, hg, rows + RB, n, col_ok, carry, a, bias,
+                                 lower_bound, eps, scale, H, K, HB, BK, RB, GATE, NORM)
         rows += 2 * RB
 
 
 @triton.jit
-def gate_cumsum_rows(x, y, G, qn, QG, start, rows, n, col_ok, carry, a, bias, lower_bound, eps, scale, H,
+def gate_cumsum_rows(x, y, G, inv_q, QG, start, t0, hg, rows, n, col_ok, carry, a, bias, lower_bound, eps, scale, H,
                      K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr, RB: tl.constexpr, GATE: tl.constexpr,
                      NORM: tl.constexpr):
-    """Stores G, qn (NORM) and QG for one block of rows (x: its raw gate values, y: its q); returns the running
+    """Stores G, inv_q (NORM) and QG for one block of rows (x: its raw gate values, y: its q); returns the running
     sum after it."""
     mask = (rows < n) & col_ok
     offs = start + rows * (H * K)
@@ -119,44 +120,49 @@ def gate_cumsum_rows(x, y, G, qn, QG, start, rows, n, col_ok, carry, a, bias, lo
     tl.store(G + offs, g_rows, mask=mask)
     y = y.to(tl.float32)
     if NORM:
-        y = tl.reshape(l2_normalize_rows(tl.reshape(y, [RB * HB, BK]), eps), [RB, HB * BK])
-        tl.store(qn + offs, y.to(qn.dtype.element_ty), mask=mask)
+        y = tl.reshape(y, [RB * HB, BK])
+        inv = l2_inverse_norms(y, eps)
+        store_row_values(inv_q, inv, t0, hg, rows, n, H, HB, RB)
+        y = tl.reshape(y * inv[:, None], [RB, HB * BK])
     tl.store(QG + offs, (y * tl.exp(g_rows) * scale).to(QG.dtype.element_ty), mask=mask)
     return carry + tl.sum(g, 0, keep_dims=True)
 
 
 @triton.jit
-def l2_normalize_chunk(src, dst, t0, n, col, col_ok, eps, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
-                       RB: tl.constexpr):
-    """dst = src / max(|src|, eps) per (row, head) over the chunk's rows, RB rows at a time (two blocks a step,
+def store_row_values(dst, values, t0, hg, rows, n, H, HB: tl.constexpr, RB: tl.constexpr):
+    """values [RB * HB] (rows outer, the group's heads inner) into dst [T, H] at the rows ``rows`` [RB, 1]."""
+    r = tl.reshape(rows + tl.zeros([RB, HB], dtype=tl.int32), [RB * HB])
+    head = hg * HB + tl.arange(0, RB * HB) % HB
+    tl.store(dst + (t0 + r).to(tl.int64) * H + head, values, mask=(r < n) & (head < H))
+
+
+@triton.jit
+def inverse_norms_chunk(src, inv, t0, n, hg, col, col_ok, eps, H, K: tl.constexpr, HB: tl.constexpr,
+                        BK: tl.constexpr, RB: tl.constexpr):
+    """inv = 1 / max(|src|, eps) per (row, head) over the chunk's rows, RB rows at a time (two blocks a step,
     loaded one block ahead as in gate_cumsum_chunk)."""
     rows = tl.arange(0, RB)[:, None]
     src_col = src + t0.to(tl.int64) * (H * K) + col[None, :]
-    dst_col = dst + t0.to(tl.int64) * (H * K) + col[None, :]
     x0 = tl.load(src_col + rows * (H * K), mask=(rows < n) & col_ok[None, :], other=0.0)
     for _ in range(64 // (2 * RB)):
         x1 = tl.load(src_col + (rows + RB) * (H * K), mask=(rows + RB < n) & col_ok[None, :], other=0.0)
-        l2_normalize_rows_to(x0, dst_col, rows, n, col_ok, eps, H, K, HB, BK, RB)
+        store_row_values(inv, l2_inverse_norms(tl.reshape(x0.to(tl.float32), [RB * HB, BK]), eps), t0, hg, rows, n,
+                         H, HB, RB)
         x0 = tl.load(src_col + (rows + 2 * RB) * (H * K), mask=(rows + 2 * RB < n) & col_ok[None, :], other=0.0)
-        l2_normalize_rows_to(x1, dst_col, rows + RB, n, col_ok, eps, H, K, HB, BK, RB)
+        store_row_values(inv, l2_inverse_norms(tl.reshape(x1.to(tl.float32), [RB * HB, BK]), eps), t0, hg,
+                         rows + RB, n, H, HB, RB)
         rows += 2 * RB
 
 
 @triton.jit
-def l2_normalize_rows_to(x, dst_col, rows, n, col_ok, eps, H, K: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr,
-                         RB: tl.constexpr):
-    xn = tl.reshape(l2_normalize_rows(tl.reshape(x.to(tl.float32), [RB * HB, BK]), eps), [RB, HB * BK])
-    tl.store(dst_col + rows * (H * K), xn.to(dst_col.dtype.element_ty), mask=(rows < n) & col_ok[None, :])
-
-
-@triton.jit
-def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, QG, chunk_start, chunk_len, lower_bound, eps, scale,
+def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, inv_q, inv_k, QG, chunk_start, chunk_len, lower_bound, eps, scale,
                        f_seq_len, f_seq_stride, f_tok_stride, H, K: tl.constexpr, BK: tl.constexpr, HB: tl.constexpr,
                        RB: tl.constexpr, RB_NORM: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
     """Grid (chunk x group of HB heads, 1 + NORM). Part 0: G = cumsum over the chunk of gate(f), in fp32 (f
-    addressed through its strides, see gate_token_offset), and from q (L2-normalised with NORM, stored as qn)
-    QG = scale qn exp(G); with NORM, part 1 writes the L2-normalised k (fp32 math, stored in their dtype).
+    addressed through its strides, see gate_token_offset), and from q QG = scale qn exp(G), qn = q inv_q (with
+    NORM: inv_q = 1 / max(|q|, eps) per (token, head), stored fp32 [T, H]; else qn = q); with NORM, part 1 stores
+    k's inverse norms, inv_k. No normalised copy of q or k is written: the kernels that read them scale by these.
     Memory-bound, so shaped for few instructions per element and enough loads in flight: one warp a program (launch
     table), its tile RB rows x HB heads x BK columns (HB * BK = 256), the rows inside each thread. The cumsum over
     rows is a sequential sum in registers (no shuffles, no shared memory), carried from block to block; a row's L2
@@ -167,7 +173,7 @@ def gate_cumsum_kernel(f, A_log, dt_bias, G, q, k, qn, kn, QG, chunk_start, chun
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     col, col_ok = head_group_columns(hg, H, K, BK, HB)
     if part == 0:
-        gate_cumsum_chunk(f, A_log, dt_bias, G, q, qn, QG, t0, n, col, col_ok, lower_bound, eps, scale, f_seq_len,
-                          f_seq_stride, f_tok_stride, H, K, HB, BK, RB, GATE, HAS_A, HAS_BIAS, NORM)
+        gate_cumsum_chunk(f, A_log, dt_bias, G, q, inv_q, QG, t0, n, hg, col, col_ok, lower_bound, eps, scale,
+                          f_seq_len, f_seq_stride, f_tok_stride, H, K, HB, BK, RB, GATE, HAS_A, HAS_BIAS, NORM)
     else:
-        l2_normalize_chunk(k, kn, t0, n, col, col_ok, eps, H, K, HB, BK, RB_NORM)
+        inverse_norms_chunk(k, inv_k, t0, n, hg, col, col_ok, eps, H, K, HB, BK, RB_NORM)

@@ -73,17 +73,6 @@ def gate_at_chunk_end(G, t0, n, h, H, K: tl.constexpr, cols):
 
 
 @triton.jit
-def key_decay_to_end(k, G, t0, n, h, H, K: tl.constexpr, BK: tl.constexpr):
-    """(kgl = k * exp(G_last - G) [64, BK] fp32, zero past the chunk; G_last [BK])."""
-    d = tl.arange(0, BK)
-    g = load_tile(G, t0, n, h, H, K, 0, BK)
-    g_last = gate_at_chunk_end(G, t0, n, h, H, K, d)
-    valid = (tl.arange(0, 64) < n)[:, None] & (d < K)[None, :]
-    kgl = load_tile(k, t0, n, h, H, K, 0, BK) * tl.exp(tl.where(valid, g_last[None, :] - g, float("-inf")))
-    return kgl, g_last
-
-
-@triton.jit
 def row_block(ptr, t0, r0, n, row_stride, col0, cols, ncols):
     """Load rows r0..r0+15 of a chunk starting at token t0 (n valid rows) as fp32 [16, len(cols)]."""
     rows = r0 + tl.arange(0, 16)
@@ -113,7 +102,8 @@ def decay_factors(g_c, g_i, G, t0, r0, n, h, H, K: tl.constexpr, d, NC: tl.const
 def block_row_products(mq, lk, q, k, G, k_c, g_c, t0, r0, n, h, H, K: tl.constexpr, dc, NC: tl.constexpr,
                        SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
     """Adds one K slice (channels dc) of row block r0's decayed products with the chunk's first NC keys
-    (k_c, g_c: [NC, KS]) to mq, lk [16, NC]: one dot each, the diagonal tile included on the dense path."""
+    (k_c, g_c: [NC, KS]) to mq, lk [16, NC]: one dot each, the diagonal tile included on the dense path. q and k
+    as given (raw under NORM: store_block_row scales the sums)."""
     t = tl.arange(0, NC)
     rows = r0 + tl.arange(0, 16)
     q_i = row_block(q, t0, r0, n, H * K, h * K, dc, K)
@@ -137,13 +127,21 @@ def block_row_products(mq, lk, q, k, G, k_c, g_c, t0, r0, n, h, H, K: tl.constex
 
 
 @triton.jit
-def store_block_row(Mqk, a_base, mq, lk, beta, t0, r0, n, h, H, scale, NC: tl.constexpr):
+def store_block_row(Mqk, a_base, mq, lk, beta, inv_q, inv_k, t0, r0, n, h, H, scale, NC: tl.constexpr,
+                    NORM: tl.constexpr):
     """Row block r0 of Mqk (scaled, causal incl. the diagonal; zero from column NC on) and of L = diag(beta) Akk
-    (strictly lower, columns < NC, to the inverse's scratch: step 2 reads no column past the block)."""
+    (strictly lower, columns < NC, to the inverse's scratch: step 2 reads no column past the block). With NORM the
+    products were of raw q and k: each row and column is scaled by its inverse L2 norm here, on the [16, NC] sums,
+    instead of every element of the [*, K] operands."""
     t = tl.arange(0, NC)
     rows = r0 + tl.arange(0, 16)
     rok = rows < n
     b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
+    if NORM:
+        ik_c = tl.load(inv_k + (t0 + t) * H + h, mask=t < n, other=0.0)[None, :]
+        mq = mq * tl.load(inv_q + (t0 + rows) * H + h, mask=rok, other=0.0)[:, None] * ik_c
+        b_i = b_i * tl.load(inv_k + (t0 + rows) * H + h, mask=rok, other=0.0)
+        lk = lk * ik_c
     valid = rok[:, None] & (t < n)[None, :]
     mq = tl.where(valid & (t[None, :] <= rows[:, None]), mq * scale, 0.0)
     lk = tl.where(valid & (t[None, :] < rows[:, None]), lk * b_i[:, None], 0.0)
@@ -156,8 +154,9 @@ def store_block_row(Mqk, a_base, mq, lk, beta, t0, r0, n, h, H, scale, NC: tl.co
 
 
 @triton.jit
-def half_chunk_products(q, k, G, Mqk, a_base, beta, t0, n, h, H, K: tl.constexpr, scale, R0: tl.constexpr,
-                        NC: tl.constexpr, KS: tl.constexpr, SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
+def half_chunk_products(q, k, G, Mqk, a_base, beta, inv_q, inv_k, t0, n, h, H, K: tl.constexpr, scale,
+                        R0: tl.constexpr, NC: tl.constexpr, KS: tl.constexpr, SAFE_GATE: tl.constexpr,
+                        DOT_BF16: tl.constexpr, NORM: tl.constexpr):
     """Rows R0..R0+31 (two 16-row blocks) of Mqk and L against the chunk's first NC keys, the only ones they
     reach (R0 + 32 <= NC), summed over K slices of KS channels: each slice's key tile is loaded once for both
     blocks."""
@@ -172,14 +171,16 @@ def half_chunk_products(q, k, G, Mqk, a_base, beta, t0, n, h, H, K: tl.constexpr
                                         DOT_BF16)
         mq_b, lk_b = block_row_products(mq_b, lk_b, q, k, G, k_c, g_c, t0, R0 + 16, n, h, H, K, dc, NC, SAFE_GATE,
                                         DOT_BF16)
-    store_block_row(Mqk, a_base, mq_a, lk_a, beta, t0, R0, n, h, H, scale, NC)
-    store_block_row(Mqk, a_base, mq_b, lk_b, beta, t0, R0 + 16, n, h, H, scale, NC)
+    store_block_row(Mqk, a_base, mq_a, lk_a, beta, inv_q, inv_k, t0, R0, n, h, H, scale, NC, NORM)
+    store_block_row(Mqk, a_base, mq_b, lk_b, beta, inv_q, inv_k, t0, R0 + 16, n, h, H, scale, NC, NORM)
 
 
 @triton.jit
-def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, chunk_start, chunk_len, scale,
+def intra_fwd_kernel(q, k, v, beta, G, inv_q, inv_k, Mqk, Ainv, W, U0, KGL, chunk_start, chunk_len, scale,
                      H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr, KS: tl.constexpr):
+                     SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr, KS: tl.constexpr, NORM: tl.constexpr):
+    """One (chunk, head). q and k come raw; with NORM their L2 normalisation is applied through the inverse norms
+    inv_q, inv_k ([T, H] fp32, from the gate pass): on the products' sums and on beta (see store_block_row)."""
     c, h = tl.program_id(0), tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     t, s16 = tl.arange(0, 64), tl.arange(0, 16)
@@ -188,8 +189,10 @@ def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, chunk_start, chunk
 
     # 1) decayed products in two halves of 32 rows: the first half reaches only the first 32 keys
     # (loops over K slices, [NC, KS] key tiles: what keeps this kernel within 128 registers at K = 128)
-    half_chunk_products(q, k, G, Mqk, a_base, beta, t0, n, h, H, K, scale, 0, 32, KS, SAFE_GATE, DOT_BF16)
-    half_chunk_products(q, k, G, Mqk, a_base, beta, t0, n, h, H, K, scale, 32, 64, KS, SAFE_GATE, DOT_BF16)
+    half_chunk_products(q, k, G, Mqk, a_base, beta, inv_q, inv_k, t0, n, h, H, K, scale, 0, 32, KS, SAFE_GATE,
+                        DOT_BF16, NORM)
+    half_chunk_products(q, k, G, Mqk, a_base, beta, inv_q, inv_k, t0, n, h, H, K, scale, 32, 64, KS, SAFE_GATE,
+                        DOT_BF16, NORM)
     tl.debug_barrier()
 
     # 2) (I + L)^-1 by block forward substitution: X_i = D_i^-1 (E_i - L_{i,<i} X_{<i})
@@ -219,11 +222,15 @@ def intra_fwd_kernel(q, k, v, beta, G, Mqk, Ainv, W, U0, KGL, chunk_start, chunk
     a_inv = tl.load(a_base + (t0 + t)[:, None] * (H * 64) + t[None, :], mask=row_ok[:, None], other=0.0)
     a_dot = to_dot(a_inv, DOT_BF16)
     b_all = tl.load(beta + (t0 + t) * H + h, mask=row_ok, other=0.0).to(tl.float32)
+    if NORM:
+        ik_all = tl.load(inv_k + (t0 + t) * H + h, mask=row_ok, other=0.0)
     for kc in range(0, K, KS):
         dc = kc + tl.arange(0, KS)
         mk = row_ok[:, None] & (dc < K)[None, :]
         offs = (t0 + t)[:, None] * (H * K) + h * K + dc[None, :]
         k_c = tl.load(k + offs, mask=mk, other=0.0).to(tl.float32)
+        if NORM:
+            k_c *= ik_all[:, None]  # kn
         g_c = tl.load(G + offs, mask=mk, other=0.0)
         w = tl.dot(a_dot, to_dot(k_c * b_all[:, None] * tl.exp(g_c), DOT_BF16))
         tl.store(W + offs, w.to(W.dtype.element_ty), mask=mk)

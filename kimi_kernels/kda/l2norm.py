@@ -1,7 +1,8 @@
 """L2 normalisation of q and k per (token, head) row, as F.normalize(x.float(), dim=-1, eps=1e-6).
 
-The forward is fused into gate_cumsum_kernel (gate.py: its programs for q and k); the backward is one
-kernel per tensor that recomputes the norm from x in fp32 and writes dx in x's dtype, so neither the
+The forward's inverse norms come from gate_cumsum_kernel (gate.py), per (token, head) in fp32: the kernels
+that read q and k scale by them (docs/kda.md), so no normalised copy is written in the forward. The backward
+is one kernel per tensor that recomputes the norm from x in fp32 and writes dx in x's dtype, so neither the
 normalised copies nor fp32 gradients go through PyTorch ops. The backward runs at HBM bandwidth (docs/kda.md,
 memory-bound passes): 32 rows per 4-warp program, all of its 16-byte loads issued before the first use.
 """
@@ -13,9 +14,9 @@ EPS = 1e-6
 
 
 @triton.jit
-def l2_normalize_rows(x, eps):
-    """x / max(|x|, eps) per row of an fp32 tile."""
-    return x / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), eps)[:, None]
+def l2_inverse_norms(x, eps):
+    """1 / max(|x|, eps) per row of an fp32 tile: the factor that L2-normalises the row."""
+    return 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), eps)
 
 
 @triton.jit

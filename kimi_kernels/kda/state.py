@@ -12,7 +12,7 @@ gate pass for the output kernel, ``walk_operands_kernel`` for the backward).
 import triton
 import triton.language as tl
 
-from kimi_kernels.kda.intra import gate_at_chunk_end, key_decay_to_end, to_dot
+from kimi_kernels.kda.intra import gate_at_chunk_end, to_dot
 
 
 @triton.jit
@@ -46,21 +46,27 @@ def state_offsets(c, h, v0, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
 
 
 @triton.jit
-def query_decayed(q, G, t0, n, h, H, K: tl.constexpr, BK: tl.constexpr, scale):
-    """qg = scale q exp(G) [64, BK] fp32, zero past the chunk."""
-    return load_chunk(q, t0, n, h, H, K, 0, BK) * tl.exp(load_chunk(G, t0, n, h, H, K, 0, BK)) * scale
-
-
-@triton.jit
-def walk_operands_kernel(q, k, G, QG, KGL, chunk_start, chunk_len, scale, H, K: tl.constexpr, BK: tl.constexpr):
+def walk_operands_kernel(q, k, G, inv_q, inv_k, QN, KN, QG, KGL, chunk_start, chunk_len, scale, H, K: tl.constexpr,
+                         BK: tl.constexpr, NORM: tl.constexpr):
     """One (chunk, head): the backward walk's state-independent operands, in the dot dtype (bf16 for bf16
-    inputs): KGL = k exp(Gl - G) (the forward's comes from intra_fwd_kernel) and QG = scale q exp(G)."""
+    inputs): KGL = kn exp(Gl - G) (the forward's comes from intra_fwd_kernel) and QG = scale qn exp(G); with NORM
+    also the L2-normalised qn = q inv_q, kn = k inv_k for the other backward kernels (the forward writes none)."""
     c, h = tl.program_id(0), tl.program_id(1)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
-    kgl, _ = key_decay_to_end(k, G, t0, n, h, H, K, BK)
-    store_chunk(KGL, kgl, t0, n, h, H, K, 0, BK)
-    qg = query_decayed(q, G, t0, n, h, H, K, BK, scale)
-    store_chunk(QG, qg, t0, n, h, H, K, 0, BK)
+    t, d = tl.arange(0, 64), tl.arange(0, BK)
+    valid = (t < n)[:, None] & (d < K)[None, :]
+    g = load_chunk(G, t0, n, h, H, K, 0, BK)
+    g_last = gate_at_chunk_end(G, t0, n, h, H, K, d)
+    k_t = load_chunk(k, t0, n, h, H, K, 0, BK)  # k, then q: one [64, BK] tile live at a time
+    if NORM:
+        k_t *= tl.load(inv_k + (t0 + t) * H + h, mask=t < n, other=0.0)[:, None]
+        store_chunk(KN, k_t, t0, n, h, H, K, 0, BK)
+    store_chunk(KGL, k_t * tl.exp(tl.where(valid, g_last[None, :] - g, float("-inf"))), t0, n, h, H, K, 0, BK)
+    q_t = load_chunk(q, t0, n, h, H, K, 0, BK)
+    if NORM:
+        q_t *= tl.load(inv_q + (t0 + t) * H + h, mask=t < n, other=0.0)[:, None]
+        store_chunk(QN, q_t, t0, n, h, H, K, 0, BK)
+    store_chunk(QG, q_t * tl.exp(g) * scale, t0, n, h, H, K, 0, BK)
 
 
 @triton.jit
