@@ -14,9 +14,9 @@ import triton
 from kimi_kernels.kda.gate import GATE_GIVEN, gate_cumsum_kernel
 from kimi_kernels.kda.inter_bwd import inter_bwd_kernel
 from kimi_kernels.kda.intra import intra_fwd_kernel
-from kimi_kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
+from kimi_kernels.kda.l2norm import EPS as L2_EPS, l2_normalize_kernel, l2norm_bwd_kernel
 from kimi_kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
-from kimi_kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel, walk_operands_kernel
+from kimi_kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
 
 CHUNK = 64
 
@@ -39,7 +39,6 @@ INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4, num_stages=1, maxnreg=128)
 # SMs, else the widest (state_config): more walkers win until they no longer run at once (H200, per shape:
 # docs/bench/kda-sweep-walk-h200.json, docs/bench/kda-sweep-16k-state-h200.json).
 STATE_CONFIGS = (_launch(BV=16, num_warps=4), _launch(BV=32, num_warps=4), _launch(BV=64, num_warps=4))
-WALK_OPERANDS_CONFIG = _launch(num_warps=8)  # 4 warps spill (ptxas, sm_90)
 OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
 # gate cumsum with q's L2 norm and QG, and k's L2 norm (memory-bound, docs/kda.md): one warp per (chunk, COLS
 # columns = 2 heads of 128, one part), the rows inside each thread, blocks of RB rows of f and q (RB_NORM rows of
@@ -193,7 +192,7 @@ def kda_fwd(q, k, v, G, QG, norms, beta, scale, h0, output_final_state, safe_gat
     o = torch.empty_like(v)
     output_kernel[(triton.cdiv(V, OUTPUT_CONFIG["BV"]), meta.num_chunks, H)](
         QG, hbuf, Mqk, U, o, meta.chunk_start, meta.chunk_len, **opts, **OUTPUT_CONFIG)
-    return o, ht, (Mqk, Ainv, W, U, hbuf)
+    return o, ht, (Mqk, Ainv, W, U, hbuf, QG, KGL)
 
 
 def kda_bwd(q, k, v, G, norms, beta, scale, h0, dht, do, saved, f, A_log, dt_bias, lower_bound, gate, safe_gate,
@@ -201,21 +200,16 @@ def kda_bwd(q, k, v, G, norms, beta, scale, h0, dht, do, saved, f, A_log, dt_bia
     """Gradients of kda_fwd (q, k raw, ``norms`` as there); dg is w.r.t. the raw gate input when gate !=
     GATE_GIVEN (in f's dtype and layout, like dv in v's dtype). dq and dk are w.r.t. the normalised q, k when
     ``norms`` is given, in dqk_dtype (fp32 when an L2-norm backward follows)."""
-    Mqk, Ainv, W, U, hbuf = saved
+    Mqk, Ainv, W, U, hbuf, QG, KGL = saved
     T, H, K = q.shape
     V = v.shape[-1]
     dev = q.device
     opts = dict(H=H, K=K, V=V, BK=_block_k(K), DOT_BF16=q.dtype == torch.bfloat16)
-    # the walk's state-independent operands, recomputed rather than kept from the forward (2 T H K elements), and
-    # the normalised q, k that the other backward kernels read (the forward writes none: 4 bytes per element of
-    # activation memory less)
-    KGL, QG = torch.empty_like(k), torch.empty_like(q)
-    qn, kn = (torch.empty_like(q), torch.empty_like(k)) if norms is not None else (q, k)
-    inv_q, inv_k = norms or (G, G)
-    walk_operands_kernel[(meta.num_chunks, H)](q, k, G, inv_q, inv_k, qn, kn, QG, KGL, meta.chunk_start,
-                                               meta.chunk_len, scale, H, K=K, BK=opts["BK"], NORM=norms is not None,
-                                               **WALK_OPERANDS_CONFIG)
-    q, k = qn, kn
+    if norms is not None:  # the normalised q, k that the backward kernels read (the forward wrote none)
+        qn, kn = torch.empty_like(q), torch.empty_like(k)
+        l2_normalize_kernel[(triton.cdiv(T * H, L2_ROWS), 2)](q, k, *norms, qn, kn, T * H, K=K, BK=opts["BK"],
+                                                              BR=L2_ROWS)
+        q, k = qn, kn
     dhbuf = torch.empty_like(hbuf)
     dU = torch.empty_like(U)
     dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
@@ -275,9 +269,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         meta = chunk_meta(tuple(cu_seqlens_list), q.device)
         G, QG, norms = gate_cumsum(g, A_log, dt_bias, lower_bound, gate, meta, q, k, use_qk_l2norm, scale)
         o, ht, saved = kda_fwd(q, k, v, G, QG, norms, beta, scale, initial_state, output_final_state, safe_gate, meta)
-        # G (fp32) and the inverse norms are kept rather than recomputed in the backward (the gate pass is ~5% of a
-        # forward+backward at B4 T8192 H32 D128), 4 bytes per element of q; QG and the normalised q, k are not:
-        # the backward's walk_operands_kernel writes them from q, k, G and the norms
+        # kept for the backward: G (fp32) and the inverse norms (the gate pass is ~5% of a forward+backward at B4
+        # T8192 H32 D128), and in `saved` the walk's operands QG and KGL, 4 bytes per element of q as the
+        # normalised q, k took before; those the backward writes from q, k and the norms (l2_normalize_kernel)
         inv_q, inv_k = norms or (None, None)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, G, inv_q, inv_k, *saved)
         ctx.args = (scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta)

@@ -5,8 +5,7 @@ Per chunk, with S the state at the chunk start, Gl = G[last] and kgl = k * exp(G
 The state kernels walk the chunks of one sequence in order (one program per (V tile, sequence, head))
 and store S per chunk (forward) or dS_next per chunk (backward) for the parallel kernels. Their chunk steps
 are serial, so whatever does not depend on the state is computed before, in parallel over chunks: kgl (by
-``intra_fwd_kernel`` for the forward, ``walk_operands_kernel`` for the backward) and scale q exp(G) (by the
-gate pass for the output kernel, ``walk_operands_kernel`` for the backward).
+``intra_fwd_kernel``) and scale q exp(G) (by the gate pass), kept from the forward for the backward walk.
 """
 
 import triton
@@ -43,30 +42,6 @@ def state_offsets(c, h, v0, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexp
     d, e = tl.arange(0, BK), v0 + tl.arange(0, BV)
     offs = ((c * H + h) * K + d)[:, None] * V + e[None, :]
     return offs, (d < K)[:, None] & (e < V)[None, :]
-
-
-@triton.jit
-def walk_operands_kernel(q, k, G, inv_q, inv_k, QN, KN, QG, KGL, chunk_start, chunk_len, scale, H, K: tl.constexpr,
-                         BK: tl.constexpr, NORM: tl.constexpr):
-    """One (chunk, head): the backward walk's state-independent operands, in the dot dtype (bf16 for bf16
-    inputs): KGL = kn exp(Gl - G) (the forward's comes from intra_fwd_kernel) and QG = scale qn exp(G); with NORM
-    also the L2-normalised qn = q inv_q, kn = k inv_k for the other backward kernels (the forward writes none)."""
-    c, h = tl.program_id(0), tl.program_id(1)
-    t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
-    t, d = tl.arange(0, 64), tl.arange(0, BK)
-    valid = (t < n)[:, None] & (d < K)[None, :]
-    g = load_chunk(G, t0, n, h, H, K, 0, BK)
-    g_last = gate_at_chunk_end(G, t0, n, h, H, K, d)
-    k_t = load_chunk(k, t0, n, h, H, K, 0, BK)  # k, then q: one [64, BK] tile live at a time
-    if NORM:
-        k_t *= tl.load(inv_k + (t0 + t) * H + h, mask=t < n, other=0.0)[:, None]
-        store_chunk(KN, k_t, t0, n, h, H, K, 0, BK)
-    store_chunk(KGL, k_t * tl.exp(tl.where(valid, g_last[None, :] - g, float("-inf"))), t0, n, h, H, K, 0, BK)
-    q_t = load_chunk(q, t0, n, h, H, K, 0, BK)
-    if NORM:
-        q_t *= tl.load(inv_q + (t0 + t) * H + h, mask=t < n, other=0.0)[:, None]
-        store_chunk(QN, q_t, t0, n, h, H, K, 0, BK)
-    store_chunk(QG, q_t * tl.exp(g) * scale, t0, n, h, H, K, 0, BK)
 
 
 @triton.jit

@@ -40,8 +40,8 @@ def kernel_cases():
     from kimi_kernels.kda.inter_bwd import inter_bwd_kernel
     from kimi_kernels.kda.intra import intra_fwd_kernel
     from kimi_kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
-    from kimi_kernels.kda.l2norm import l2norm_bwd_kernel
-    from kimi_kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel, walk_operands_kernel
+    from kimi_kernels.kda.l2norm import l2_normalize_kernel, l2norm_bwd_kernel
+    from kimi_kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
 
     dims = dict(K=D, V=D, BK=D, DOT_BF16=True)
     narrow, middle, wide = chunk.STATE_CONFIGS
@@ -50,7 +50,6 @@ def kernel_cases():
         "gate_cumsum": (gate_cumsum_kernel, dict(K=D, BK=D, HB=chunk.heads_per_program(chunk.GATE_CONFIG, D), NORM=True,
                                                  **gate), chunk.GATE_CONFIG),
         "intra_fwd": (intra_fwd_kernel, dict(dims, SAFE_GATE=True, KS=chunk.KS, NORM=True), chunk.INTRA_FWD_CONFIG),
-        "walk_operands": (walk_operands_kernel, dict(K=D, BK=D, NORM=True), chunk.WALK_OPERANDS_CONFIG),
         "state_fwd_bv16": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), narrow),
         "state_fwd_bv32": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), middle),
         "state_fwd_bv64": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), wide),
@@ -67,6 +66,7 @@ def kernel_cases():
         "gate_bwd": (gate_bwd_kernel, dict(K=D, BK=D, HB=chunk.heads_per_program(chunk.GATE_BWD_CONFIG, D), **gate),
                      chunk.GATE_BWD_CONFIG),
         "l2norm_bwd": (l2norm_bwd_kernel, dict(K=D, BK=D, BR=chunk.L2_ROWS), {}),
+        "l2_normalize": (l2_normalize_kernel, dict(K=D, BK=D, BR=chunk.L2_ROWS), {}),
     }
 
 
@@ -85,9 +85,9 @@ SPILL_ALLOWANCE: dict[str, int] = {"inter_bwd": 320, "intra_fwd": 44, "intra_bwd
 MAX_REGISTERS: dict[str, int] = {"intra_fwd": 128, "intra_bwd_dv": 168, "intra_bwd_dqk": 128,
                                  "intra_bwd_dqk_per_position": 128}
 
-NAMES = ["gate_cumsum", "intra_fwd", "walk_operands", "state_fwd_bv16", "state_fwd_bv32", "state_fwd_bv64", "output",
+NAMES = ["gate_cumsum", "intra_fwd", "state_fwd_bv16", "state_fwd_bv32", "state_fwd_bv64", "output",
          "state_bwd_bv16", "state_bwd_bv32", "state_bwd_bv64", "inter_bwd", "intra_bwd_dv", "intra_bwd_dqk",
-         "intra_bwd_dqk_per_position", "gate_bwd", "l2norm_bwd"]
+         "intra_bwd_dqk_per_position", "gate_bwd", "l2norm_bwd", "l2_normalize"]
 
 
 # Integer arguments the launcher specializes as multiples of 16 at B4 T8192 H32 D128 (a token's H x K gate values:
