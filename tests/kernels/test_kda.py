@@ -215,6 +215,14 @@ def test_half_precision_gradients_without_l2norm():
 
 
 @interpreter_case
+def test_half_precision_with_l2norm():
+    """fp16 with the in-kernel L2 norm: the forward's dots take raw q, k (their inverse norms scale the sums), the
+    backward's the fp16 copies that l2_normalize_kernel writes, and qg / kgl are the forward's, kept in fp16."""
+    x = make_inputs(1, 100, 2, 64, 32, seed=19)
+    assert_match(run_pair(x, "lower_bound", dtype=torch.float16), 5e-3, NAMES)
+
+
+@interpreter_case
 def test_sequence_shorter_than_a_tile():
     assert_match(run_pair(make_inputs(1, 7, 2, 16, 16, seed=11), "lower_bound"), 1e-4, NAMES)
 
