@@ -14,7 +14,7 @@ import triton
 from kimi_kernels.kda.gate import GATE_GIVEN, gate_cumsum_kernel
 from kimi_kernels.kda.inter_bwd import inter_bwd_kernel
 from kimi_kernels.kda.intra import intra_fwd_kernel
-from kimi_kernels.kda.l2norm import EPS as L2_EPS, l2_normalize_kernel, l2norm_bwd_kernel
+from kimi_kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
 from kimi_kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
 from kimi_kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
 
@@ -205,11 +205,7 @@ def kda_bwd(q, k, v, G, norms, beta, scale, h0, dht, do, saved, f, A_log, dt_bia
     V = v.shape[-1]
     dev = q.device
     opts = dict(H=H, K=K, V=V, BK=_block_k(K), DOT_BF16=q.dtype == torch.bfloat16)
-    if norms is not None:  # the normalised q, k that the backward kernels read (the forward wrote none)
-        qn, kn = torch.empty_like(q), torch.empty_like(k)
-        l2_normalize_kernel[(triton.cdiv(T * H, L2_ROWS), 2)](q, k, *norms, qn, kn, T * H, K=K, BK=opts["BK"],
-                                                              BR=L2_ROWS)
-        q, k = qn, kn
+    inv_q, inv_k = norms or (G, G)  # q, k raw: the kernels that read them scale by the norms (NORM)
     dhbuf = torch.empty_like(hbuf)
     dU = torch.empty_like(U)
     dh0 = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if h0 is not None else None
@@ -245,12 +241,13 @@ def kda_bwd(q, k, v, G, norms, beta, scale, h0, dht, do, saved, f, A_log, dt_bia
     pk = dk if dk.dtype == torch.float32 else torch.empty(T, H, K, **f32)
     inter_launch = {key: value for key, value in INTER_BWD_CONFIG.items() if key != "BK"}
     inter_bwd_kernel[(num_inter, meta.num_chunks, H)](
-        q, k, beta, G, hbuf, dhbuf, U, dU, do, Ainv, pq, pk, d_G, dlast, dbeta_parts, meta.chunk_start,
-        meta.chunk_len, scale, H, T * H, 1 + num_kt, K=K, V=V, BK=inter_bk, DOT_BF16=opts["DOT_BF16"], **inter_launch)
+        q, k, beta, G, inv_q, inv_k, hbuf, dhbuf, U, dU, do, Ainv, pq, pk, d_G, dlast, dbeta_parts, meta.chunk_start,
+        meta.chunk_len, scale, H, T * H, 1 + num_kt, K=K, V=V, BK=inter_bk, DOT_BF16=opts["DOT_BF16"],
+        NORM=norms is not None, **inter_launch)
     intra_bwd_dqk_kernel[(num_kt * 4, meta.num_chunks, H)](
-        q, k, beta, G, scratch[0], scratch[1], pq, pk, d_G, dq, dk, d_G, dbeta_parts, meta.chunk_start,
+        q, k, beta, G, inv_q, inv_k, scratch[0], scratch[1], pq, pk, d_G, dq, dk, d_G, dbeta_parts, meta.chunk_start,
         meta.chunk_len, scale, H, T * H, K=K, BKT=block_kt, SAFE_GATE=safe_gate, DOT_BF16=opts["DOT_BF16"],
-        **DQK_CONFIG)
+        NORM=norms is not None, **DQK_CONFIG)
     hb = heads_per_program(GATE_BWD_CONFIG, K)
     gate_bwd_kernel[(meta.num_chunks * triton.cdiv(H, hb),)](
         d_G, dlast, f, A_log if has_a else f, dt_bias if has_bias else f, dg, dA_parts, ddt_parts,
@@ -271,7 +268,7 @@ class ChunkKDAFunction(torch.autograd.Function):
         o, ht, saved = kda_fwd(q, k, v, G, QG, norms, beta, scale, initial_state, output_final_state, safe_gate, meta)
         # kept for the backward: G (fp32) and the inverse norms (the gate pass is ~5% of a forward+backward at B4
         # T8192 H32 D128), and in `saved` the walk's operands QG and KGL, 4 bytes per element of q as the
-        # normalised q, k took before; those the backward writes from q, k and the norms (l2_normalize_kernel)
+        # normalised q, k took before; the backward kernels, like the forward's, scale raw q, k by the norms
         inv_q, inv_k = norms or (None, None)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, initial_state, G, inv_q, inv_k, *saved)
         ctx.args = (scale, use_qk_l2norm, gate, lower_bound, safe_gate, meta)

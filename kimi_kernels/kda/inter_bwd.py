@@ -19,9 +19,11 @@ from kimi_kernels.kda.intra import dot_split, gate_at_chunk_end, load_tile, stor
 
 
 @triton.jit
-def inter_bwd_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, pq, pk, pG, dlast, dbeta_parts, chunk_start,
-                     chunk_len, scale, H, part_stride, part_offset, K: tl.constexpr, V: tl.constexpr,
-                     BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr):
+def inter_bwd_kernel(q, k, beta, G, inv_q, inv_k, hbuf, dhbuf, U, dU, dO, Ainv, pq, pk, pG, dlast, dbeta_parts,
+                     chunk_start, chunk_len, scale, H, part_stride, part_offset, K: tl.constexpr, V: tl.constexpr,
+                     BK: tl.constexpr, BV: tl.constexpr, DOT_BF16: tl.constexpr, NORM: tl.constexpr):
+    """One (K tile, chunk, head). q and k come raw; with NORM their inverse L2 norms (inv_q, inv_k [T, H]) scale
+    their rows where they are loaded, and dq, dk are w.r.t. the normalised q, k."""
     kt, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
     kc = kt * BK
@@ -50,8 +52,12 @@ def inter_bwd_kernel(q, k, beta, G, hbuf, dhbuf, U, dU, dO, Ainv, pq, pk, pG, dl
     e_g = tl.exp(g_c)
     d_q = d_qg * e_g * scale
     store_tile(pq, d_q, t0, n, h, H, K, kc, BK)
-    d_g = d_q * load_tile(q, t0, n, h, H, K, kc, BK)
+    q_c = load_tile(q, t0, n, h, H, K, kc, BK)
     k_c = load_tile(k, t0, n, h, H, K, kc, BK)
+    if NORM:
+        q_c *= tl.load(inv_q + (t0 + t) * H + h, mask=row_ok, other=0.0)[:, None]
+        k_c *= tl.load(inv_k + (t0 + t) * H + h, mask=row_ok, other=0.0)[:, None]
+    d_g = d_q * q_c
     g_last = gate_at_chunk_end(G, t0, n, h, H, K, d)
     d_k = d_kgl * tl.exp(tl.where(m2, g_last[None, :] - g_c, float("-inf")))
     to_last = d_k * k_c  # moves from row t to the chunk's last row (through Gl)

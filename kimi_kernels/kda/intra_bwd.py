@@ -79,11 +79,12 @@ def exp_ftz(x):
 
 
 @triton.jit
-def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_buf, dbeta_parts, chunk_start,
-                         chunk_len, scale, H, part_stride, K: tl.constexpr, BKT: tl.constexpr,
-                         SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr):
+def intra_bwd_dqk_kernel(q, k, beta, G, inv_q, inv_k, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_buf, dbeta_parts,
+                         chunk_start, chunk_len, scale, H, part_stride, K: tl.constexpr, BKT: tl.constexpr,
+                         SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr, NORM: tl.constexpr):
     """dq, dk and the per-token dG of one 16-row block of a chunk, for K columns kc..kc+BKT-1: the state terms
-    (fp32 partials pq, pk, pG from inter_bwd_kernel) plus the intra-chunk ones."""
+    (fp32 partials pq, pk, pG from inter_bwd_kernel) plus the intra-chunk ones. q and k come raw; with NORM their
+    inverse L2 norms scale their rows as loaded (dq, dk w.r.t. the normalised q, k)."""
     pid, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kt, blk = pid // 4, pid % 4
     t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
@@ -109,6 +110,11 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
     g_r = load_col(G, t0, r0, h, H, K, kc, BKT)  # the row side's reference row (the block's first)
     g_l = load_col(G, t0, tl.minimum(r0 + 15, n - 1), h, H, K, kc, BKT)  # the column side's (its last)
     b_i = tl.load(beta + (t0 + rows) * H + h, mask=rok, other=0.0).to(tl.float32)
+    if NORM:
+        iq_all = tl.load(inv_q + (t0 + t) * H + h, mask=row_ok, other=0.0)
+        ik_all = tl.load(inv_k + (t0 + t) * H + h, mask=row_ok, other=0.0)
+        iq_i = tl.load(inv_q + (t0 + rows) * H + h, mask=rok, other=0.0)
+        ik_i = tl.load(inv_k + (t0 + rows) * H + h, mask=rok, other=0.0)
     d_m_i = row_block(dM_buf, t0, r0, n, H * 64, h * 64, t, 64)
     d_l_i = row_block(dL_buf, t0, r0, n, H * 64, h * 64, t, 64)
     cols = (t0 + t)[None, :] * (H * 64) + h * 64 + rows[:, None]  # [s, t] -> dM[t, s], keys s of the block
@@ -125,6 +131,11 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
     d_g, g_i = tl.split(part_g)
     qk_i = tl.load(tl.where(j2[None, None, :] == 0, q, k) + offs[:, :, None], mask=m16[:, :, None], other=0.0)
     q_i, k_i = tl.split(qk_i.to(tl.float32))
+    if NORM:  # the rows' inverse norms, loaded with the other small vectors above
+        k_all *= ik_all[:, None]
+        q_all *= iq_all[:, None]
+        q_i *= iq_i[:, None]
+        k_i *= ik_i[:, None]
 
     # exp(G_t - G_s), t >= s, in two factors around a reference row. Row side (the block's rows t, keys s up to
     # its diagonal) around r = G at the block's first row: exp(G_t - r) <= 1, exp(r - G_s) <= 1 before the
@@ -158,6 +169,8 @@ def intra_bwd_dqk_kernel(q, k, beta, G, dM_buf, dL_buf, pq, pk, pG, dq, dk, dG_b
             s = r0 + j
             s_ok = s < n
             k_s = load_col(k, t0, tl.minimum(s, n - 1), h, H, K, kc, BKT)
+            if NORM:
+                k_s *= tl.load(inv_k + (t0 + tl.minimum(s, n - 1)) * H + h)
             g_s = load_col(G, t0, tl.minimum(s, n - 1), h, H, K, kc, BKT)
             ok = (rows >= s) & rok & s_ok
             e = exp_ftz(tl.where(ok[:, None] & kmask[None, :], g_i - g_s[None, :], float("-inf")))

@@ -1,8 +1,7 @@
 """L2 normalisation of q and k per (token, head) row, as F.normalize(x.float(), dim=-1, eps=1e-6).
 
 The forward's inverse norms come from gate_cumsum_kernel (gate.py), per (token, head) in fp32: the kernels
-that read q and k scale by them (docs/kda.md), so no normalised copy is written in the forward; the backward's
-kernels read normalised copies that l2_normalize_kernel writes from the kept norms. The backward
+that read q and k, forward and backward, scale by them (docs/kda.md), so no normalised copy is ever written. The backward
 is one kernel per tensor that recomputes the norm from x in fp32 and writes dx in x's dtype, so neither the
 normalised copies nor fp32 gradients go through PyTorch ops. The backward runs at HBM bandwidth (docs/kda.md,
 memory-bound passes): 32 rows per 4-warp program, all of its 16-byte loads issued before the first use.
@@ -18,21 +17,6 @@ EPS = 1e-6
 def l2_inverse_norms(x, eps):
     """1 / max(|x|, eps) per row of an fp32 tile: the factor that L2-normalises the row."""
     return 1.0 / tl.maximum(tl.sqrt(tl.sum(x * x, 1)), eps)
-
-
-@triton.jit
-def l2_normalize_kernel(q, k, inv_q, inv_k, qn, kn, rows, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
-    """qn = q inv_q, kn = k inv_k per row (grid axis 1 picks the tensor), the scaling in fp32, stored in the
-    inputs' dtype: the backward's normalised operands, from the inverse norms the forward kept."""
-    second = tl.program_id(1) == 1
-    x, inv, xn = tl.where(second, k, q), tl.where(second, inv_k, inv_q), tl.where(second, kn, qn)
-    r = tl.program_id(0) * BR + tl.arange(0, BR)
-    d = tl.arange(0, BK)
-    mask = (r < rows)[:, None] & (d < K)[None, :]
-    offs = r[:, None] * K + d[None, :]
-    scale = tl.load(inv + r, mask=r < rows, other=0.0)
-    xr = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(xn + offs, (xr * scale[:, None]).to(xn.dtype.element_ty), mask=mask)
 
 
 @triton.jit

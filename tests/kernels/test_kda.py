@@ -216,8 +216,8 @@ def test_half_precision_gradients_without_l2norm():
 
 @interpreter_case
 def test_half_precision_with_l2norm():
-    """fp16 with the in-kernel L2 norm: the forward's dots take raw q, k (their inverse norms scale the sums), the
-    backward's the fp16 copies that l2_normalize_kernel writes, and qg / kgl are the forward's, kept in fp16."""
+    """fp16 with the in-kernel L2 norm: every kernel takes raw q, k and their inverse norms (fp32), and the walk's
+    qg / kgl are the forward's, kept in fp16."""
     x = make_inputs(1, 100, 2, 64, 32, seed=19)
     assert_match(run_pair(x, "lower_bound", dtype=torch.float16), 5e-3, NAMES)
 
