@@ -32,8 +32,10 @@ def _launch(**choices) -> MappingProxyType:
 # products in bf16 none spills, tests/kernels/test_kda_compile.py).
 # intra_fwd: every [64, K] operand taken KS = 32 channels at a time (products, w, kgl) fits 128 registers without
 # spills (ptxas, sm_90, Triton 3.6 and 3.8): four CTAs an SM where the whole-K tiles needed 255 and allowed two.
-# num_stages=1: the K-slice loads are short and the pipeliner's shared buffers (76 KB at 3) would cap the CTAs.
-INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4, num_stages=1, maxnreg=128)
+# num_stages=1: the K-slice loads are short and the pipeliner's shared buffers (76 KB at 3) would cap the CTAs;
+# step 1's K-slice loop alone at two stages (PRODUCT_STAGES): its next slice's tiles go through shared memory by
+# cp.async (26 KB a CTA, still four an SM) and ptxas spills 8 bytes at 128 registers instead of 20-24 (Triton 3.6)
+INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4, num_stages=1, maxnreg=128, PRODUCT_STAGES=2)
 # The state walks: one program per (V tile, sequence, head), each walks its sequence's chunks in order, one
 # chunk step after another (latency-bound). The narrowest tile that still fits the programs in one wave on the
 # SMs, else the widest (state_config): more walkers win until they no longer run at once (H200, per shape:

@@ -156,14 +156,14 @@ def store_block_row(Mqk, a_base, mq, lk, beta, inv_q, inv_k, t0, r0, n, h, H, sc
 @triton.jit
 def half_chunk_products(q, k, G, Mqk, a_base, beta, inv_q, inv_k, t0, n, h, H, K: tl.constexpr, scale,
                         R0: tl.constexpr, NC: tl.constexpr, KS: tl.constexpr, SAFE_GATE: tl.constexpr,
-                        DOT_BF16: tl.constexpr, NORM: tl.constexpr):
+                        DOT_BF16: tl.constexpr, NORM: tl.constexpr, STAGES: tl.constexpr):
     """Rows R0..R0+31 (two 16-row blocks) of Mqk and L against the chunk's first NC keys, the only ones they
     reach (R0 + 32 <= NC), summed over K slices of KS channels: each slice's key tile is loaded once for both
-    blocks."""
+    blocks. STAGES > 1 pipelines the slices' loads (the next slice's tiles in flight through shared memory)."""
     mq_a = tl.zeros([16, NC], dtype=tl.float32)
     lk_a = tl.zeros([16, NC], dtype=tl.float32)
     mq_b, lk_b = mq_a, lk_a
-    for kc in range(0, K, KS):
+    for kc in tl.range(0, K, KS, num_stages=STAGES):
         dc = kc + tl.arange(0, KS)
         k_c = load_tile(k, t0, n, h, H, K, kc, KS, NC)
         g_c = load_tile(G, t0, n, h, H, K, kc, KS, NC)
@@ -178,7 +178,8 @@ def half_chunk_products(q, k, G, Mqk, a_base, beta, inv_q, inv_k, t0, n, h, H, K
 @triton.jit
 def intra_fwd_kernel(q, k, v, beta, G, inv_q, inv_k, Mqk, Ainv, W, U0, KGL, chunk_start, chunk_len, scale,
                      H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr, KS: tl.constexpr, NORM: tl.constexpr):
+                     SAFE_GATE: tl.constexpr, DOT_BF16: tl.constexpr, KS: tl.constexpr, NORM: tl.constexpr,
+                     PRODUCT_STAGES: tl.constexpr):
     """One (chunk, head). q and k come raw; with NORM their L2 normalisation is applied through the inverse norms
     inv_q, inv_k ([T, H] fp32, from the gate pass): on the products' sums and on beta (see store_block_row)."""
     c, h = tl.program_id(0), tl.program_id(1)
@@ -190,9 +191,9 @@ def intra_fwd_kernel(q, k, v, beta, G, inv_q, inv_k, Mqk, Ainv, W, U0, KGL, chun
     # 1) decayed products in two halves of 32 rows: the first half reaches only the first 32 keys
     # (loops over K slices, [NC, KS] key tiles: what keeps this kernel within 128 registers at K = 128)
     half_chunk_products(q, k, G, Mqk, a_base, beta, inv_q, inv_k, t0, n, h, H, K, scale, 0, 32, KS, SAFE_GATE,
-                        DOT_BF16, NORM)
+                        DOT_BF16, NORM, PRODUCT_STAGES)
     half_chunk_products(q, k, G, Mqk, a_base, beta, inv_q, inv_k, t0, n, h, H, K, scale, 32, 64, KS, SAFE_GATE,
-                        DOT_BF16, NORM)
+                        DOT_BF16, NORM, PRODUCT_STAGES)
     tl.debug_barrier()
 
     # 2) (I + L)^-1 by block forward substitution: X_i = D_i^-1 (E_i - L_{i,<i} X_{<i})

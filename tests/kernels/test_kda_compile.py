@@ -76,9 +76,9 @@ def kernel_cases():
 # The dq/dk kernel is latency-bound: its launch table caps it at 128 registers (4 CTAs of 128 threads per SM)
 # at the price of a few spilled registers (Triton 3.8: 52 / 36 bytes; the GPU machine's 3.6: 16-20 / 48-52); with
 # raw q, k scaled by their inverse norms (NORM) 60 / 64 under 3.8, 48 / 76 under 3.6 (lower-bound / per-position).
-# intra_fwd likewise at 128 registers with step 1 in two halves (3.8: 8 bytes; 3.6: 20 / 24), 4% faster on the
-# H100 than at 168 registers without spills (2.23 vs 2.33 ms at B4 T8192 H32); with q and k normalised through
-# their inverse norms (NORM) 36 bytes under 3.8, 32 under 3.6.
+# intra_fwd likewise at 128 registers with step 1 in two halves (4% faster on the H100 than at 168 registers
+# without spills: 2.23 vs 2.33 ms at B4 T8192 H32) and its K-slice loop at two stages; with q and k normalised
+# through their inverse norms (NORM) 36 bytes under 3.8, 32 under 3.6 (one stage, no NORM: 8 and 20 / 24).
 # inter_bwd at 4 warps (two CTAs an SM, 30% faster than at 8 warps on the H100): 32 bytes under 3.6, 256 / 288
 # under 3.8.
 SPILL_ALLOWANCE: dict[str, int] = {"inter_bwd": 320, "intra_fwd": 44, "intra_bwd_dqk": 72, "intra_bwd_dqk_per_position": 92,
