@@ -203,11 +203,12 @@ class KDAAttention(TPShardedModule):
         """q, k, v, beta logits from the full-sequence ``x``; the gates' down projections from this rank's
         ``shard``. Projections of one tensor run as one autograd node, whose backward sums their input
         gradients inside its GEMMs (shared_input.py); at TP 1 ``x`` is the shard and all six share it."""
-        of_x = [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight, self.b_proj.weight]
-        downs = [self.f_proj.down.weight, self.g_proj.down.weight]
+        # q, k, v: a GEMM each (their outputs go on as whole tensors); the small ones share one.
+        large = [[self.q_proj.weight], [self.k_proj.weight], [self.v_proj.weight]]
+        beta, downs = self.b_proj.weight, [self.f_proj.down.weight, self.g_proj.down.weight]
         if x is shard:
-            return project_shared_input(x, of_x + downs)
-        return project_shared_input(x, of_x) + project_shared_input(shard, downs)
+            return project_shared_input(x, large + [[beta, *downs]])
+        return project_shared_input(x, large + [[beta]]) + project_shared_input(shard, [downs])
 
     def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         weight = self.o_norm_weight

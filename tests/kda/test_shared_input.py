@@ -19,12 +19,13 @@ def test_matches_separate_linears(dtype):
     x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
 
     ys_ref = [F.linear(x_ref, w) for w in ws_ref]
-    ys = project_shared_input(x_ours, ws)
+    ys = project_shared_input(x_ours, [[ws[0]], ws[1:]])  # a group of one and a group of three
     cotangents = [torch.randn_like(y) for y in ys_ref]
     sum((y * c).float().sum() for y, c in zip(ys_ref, cotangents)).backward()
     sum((y * c).float().sum() for y, c in zip(ys, cotangents)).backward()
 
-    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    # one GEMM over a group's concatenated weights blocks the sums differently: equal up to rounding
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for y, y_ref in zip(ys, ys_ref):
         torch.testing.assert_close(y, y_ref, **tol)
     # fp32: the same sum in another order; bf16: the GEMM epilogue's roundings differ from the adds'
