@@ -16,9 +16,11 @@ The kernels work batch-first, Megatron sequence-first: the layout changes ride o
 strides (the conv's store, the gate kernels' reads of f and writes of df, the norm's reads of o and writes of do),
 so no activation or gradient of this layer is copied only to change its layout.
 
-Under TP the four projections of x (q, k, v, beta) share one all-gather in forward and one reduce-scatter
-(without SP: one all-reduce) of their summed input gradient in backward, as attention's fused QKV
-projection does. Each Megatron linear on its own would gather x in forward, gather it again and
+The projections of one input (q, k, v, beta of x_s; the gates' downs of x, the same tensor at TP 1) run as one
+autograd node with the column linears' weights (their forward is not called): its backward sums their input
+gradients inside the GEMMs, as one fused QKV projection would (shared_input.py). Under TP the four
+projections of x_s share one all-gather in forward and one reduce-scatter (without SP: one all-reduce) of
+their summed input gradient in backward. Each Megatron linear on its own would gather x in forward, gather it again and
 reduce-scatter its gradient in backward: 4 + 8 hidden-wide collectives under SP become 1 + 1 (without SP,
 4 backward all-reduces become 1). The price: the gathered x is kept for the weight gradients, ``(tp - 1)
 / tp`` of ``s*b*h`` more activation memory per layer. The low-rank down projections run on the shard and
@@ -41,11 +43,11 @@ from megatron_ext.config import ConfigError
 from megatron_ext.kda.conv import CausalShortConv, convolve_together
 from megatron_ext.kda.core import kda_core
 from megatron_ext.kda.lowrank import LowRankProjection
+from megatron_ext.kda.shared_input import project_shared_input
 from megatron_ext.kda.sharding import (
     TPShardedModule,
     full_sequence,
     head_split_parameter,
-    on_full_sequence,
     param_device,
 )
 
@@ -57,7 +59,9 @@ DT_FLOOR = 1e-4
 
 @dataclass
 class KDAAttentionSubmodules:
-    """The linear layers (Megatron's local TP linears by default)."""
+    """The linear layers (Megatron's local TP linears by default). Of the column linears of x (q, k, v,
+    beta) only the weights are used (``KDAAttention._project_inputs``); the gates' up projections run
+    their own forward."""
 
     column_linear: type = ColumnParallelLinear
     row_linear: type = RowParallelLinear
@@ -119,11 +123,11 @@ class KDAAttention(TPShardedModule):
         self.lower_bound = config.kda_gate_lower_bound if config.kda_gate == "lower_bound" else None
         hidden, key_dim = config.hidden_size, dims.num_heads * dims.head_dim
 
-        def column(out: int):  # reads full_sequence(x), gathered once for all four
-            return on_full_sequence(submodules.column_linear(
+        def column(out: int):  # weights only: _project_inputs applies them to full_sequence(x)
+            return submodules.column_linear(
                 hidden, out, config=config, init_method=config.init_method, gather_output=False,
                 bias=False, skip_bias_add=False, tp_group=self.tp_group,
-            ))
+            )
 
         self.q_proj, self.k_proj, self.v_proj = column(key_dim), column(key_dim), column(key_dim)
         self.q_conv, self.k_conv, self.v_conv = (
@@ -183,17 +187,28 @@ class KDAAttention(TPShardedModule):
             raise NotImplementedError("KDAAttention has no inference (recurrent state) path yet")
         # The causal mask is implicit in the recurrence; attention_mask is ignored.
         x = full_sequence(hidden_states, self.config.sequence_parallel, self.tp_group)  # [s, b, h]
-        q, k, v = (self._heads(y) for y in convolve_together(
-            (self.q_conv, self.k_conv, self.v_conv), (self.q_proj(x)[0], self.k_proj(x)[0], self.v_proj(x)[0])))
-        f = self._heads(self.f_proj(hidden_states).transpose(0, 1))  # down on the shard, up gathers
+        q, k, v, beta, f_low, g_low = self._project_inputs(x, hidden_states)
+        q, k, v = (self._heads(y) for y in convolve_together((self.q_conv, self.k_conv, self.v_conv), (q, k, v)))
+        f = self._heads(self.f_proj.up_project(f_low).transpose(0, 1))  # the up projection gathers
         # fp32 sigmoid, then the cast to q's dtype and the [b, s] layout in one copy (.to returns
         # its input when the dtype already matches: .contiguous() then makes the copy).
-        beta = torch.sigmoid(self.b_proj(x)[0].float()).transpose(0, 1).to(
+        beta = torch.sigmoid(beta.float()).transpose(0, 1).to(
             q.dtype, memory_format=torch.contiguous_format).contiguous()
         o = kda_core(q, k, v, f, beta, self.A_log, self.dt_bias, self.lower_bound)  # [b, s, H_l, V]
-        gate = self._heads(self.g_proj(hidden_states))  # [s, b, H_l, V]
+        gate = self._heads(self.g_proj.up_project(g_low))  # [s, b, H_l, V]
         o = self._gated_norm(o.transpose(0, 1), gate)  # [s, b, H_l, V]: the norm reads o through its strides
         return self.o_proj(o.flatten(2))
+
+    def _project_inputs(self, x: torch.Tensor, shard: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v, beta logits from the full-sequence ``x``; the gates' down projections from this rank's
+        ``shard``. Projections of one tensor run as one autograd node, whose backward sums their input
+        gradients inside its GEMMs (shared_input.py); at TP 1 ``x`` is the shard and all six share it."""
+        # q, k, v: a GEMM each (their outputs go on as whole tensors); the small ones share one.
+        large = [[self.q_proj.weight], [self.k_proj.weight], [self.v_proj.weight]]
+        beta, downs = self.b_proj.weight, [self.f_proj.down.weight, self.g_proj.down.weight]
+        if x is shard:
+            return project_shared_input(x, large + [[beta, *downs]])
+        return project_shared_input(x, large + [[beta]]) + project_shared_input(shard, [downs])
 
     def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         weight = self.o_norm_weight

@@ -48,6 +48,8 @@ class LowRankProjection(MegatronModule):
             bias=bias, skip_bias_add=False, tp_group=tp_group,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y, _ = self.up(self.down(x))
+    def up_project(self, low: torch.Tensor) -> torch.Tensor:
+        """``up(low)`` for ``low = down(x)``, which the KDA layer computes with its other projections of
+        ``x`` (kda/shared_input.py)."""
+        y, _ = self.up(low)
         return y

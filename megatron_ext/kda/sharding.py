@@ -45,19 +45,6 @@ def full_sequence(x: torch.Tensor, sequence_parallel: bool, tp_group) -> torch.T
     return copy_to_tensor_model_parallel_region(x, group=tp_group)
 
 
-def on_full_sequence(linear):
-    """Make a Megatron ``ColumnParallelLinear`` take an input that :func:`full_sequence` already
-    prepared: no all-gather in its forward, no reduction of its input gradient in backward.
-
-    ``disable_grad_reduce`` is the constructor's switch for the reduction; the all-gather follows the
-    layer's ``sequence_parallel`` attribute (set from the config at construction), turned off here.
-    """
-    linear.disable_grad_reduce = True
-    linear.allreduce_dgrad = False
-    linear.sequence_parallel = False
-    return linear
-
-
 def head_split_parameter(global_values: torch.Tensor, tp_group, device, dtype) -> torch.nn.Parameter:
     """This TP rank's contiguous dim-0 slice of ``global_values``, marked TP-split on dim 0.
 
