@@ -8,6 +8,8 @@ Tensors are [B, T, H, D]; with ``cu_seqlens`` B must be 1 and the sequences are 
 import torch
 import torch.nn.functional as F
 
+from kimi_kernels.kda.l2norm import EPS as L2_EPS
+
 CHUNK = 64
 
 
@@ -36,8 +38,8 @@ def _sequences(T, cu_seqlens, B):
 
 def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    if use_qk_l2norm:  # the kernels' eps (kimi_kernels/kda/l2norm.py); F.normalize's default is 1e-12
+        q, k = F.normalize(q, dim=-1, eps=L2_EPS), F.normalize(k, dim=-1, eps=L2_EPS)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return q * scale, k, v, g, beta
 

@@ -186,6 +186,21 @@ def test_state_config_takes_the_narrowest_tile_that_fits_one_wave(monkeypatch):
 
 
 @interpreter_case
+def test_l2norm_rows_below_eps():
+    """q, k rows with |x| below the norm's eps (1e-6), where x / max(|x|, eps) is x / eps and its backward has no
+    radial part (l2norm_bwd_kernel), against the reference with the same eps."""
+    x = make_inputs(1, 70, 2, 32, 32, seed=11)
+    tiny = torch.rand(70, generator=torch.Generator().manual_seed(3)) < 0.2
+    x["q"][0, tiny] *= 1e-8
+    x["k"][0, tiny.roll(1)] *= 1e-8
+    results = run_pair(x, "lower_bound")
+    assert_match(results, 1e-4, NAMES)  # max-normalised: the tiny rows' gradients (~1e6 x) dominate
+    (_, _, grads), (_, _, grads_ref) = results
+    for name, rows in (("q", ~tiny), ("k", ~tiny.roll(1))):  # so the other rows on their own
+        assert rel_err(grads[name][0, rows], grads_ref[name][0, rows]) < 1e-4, name
+
+
+@interpreter_case
 def test_saturated_gate_at_lower_bound():
     """Every g at the bound (-5): the widest exponent span inside a tile (15 * 5 = 75 nats)."""
     x = make_inputs(1, 80, 1, 16, 16, seed=7)
