@@ -149,7 +149,8 @@ def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm, scale)
     of q and k per (token, head), fp32 [B T, H] (else None), with qn = q * inv_q (q itself without l2norm)."""
     T, H, K = q.shape
     G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
-    inv_q, inv_k = (torch.empty(T, H, dtype=torch.float32, device=f.device) for _ in range(2))
+    norms = tuple(torch.empty(T, H, dtype=torch.float32, device=f.device) for _ in range(2)) if l2norm else None
+    inv_q, inv_k = norms or (G, G)  # G: a placeholder pointer without NORM
     QG = torch.empty_like(q)
     hb = heads_per_program(GATE_CONFIG, K)
     gate_cumsum_kernel[(meta.num_chunks * triton.cdiv(H, hb), 2 if l2norm else 1)](
@@ -157,7 +158,7 @@ def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm, scale)
         meta.chunk_start, meta.chunk_len, float(lower_bound or 0.0), L2_EPS, scale, *gate_layout(f), H=H, K=K,
         BK=_block_k(K), HB=hb, GATE=gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None, NORM=l2norm,
         **_without_cols(GATE_CONFIG))
-    return G, QG, (inv_q, inv_k) if l2norm else None
+    return G, QG, norms
 
 
 def l2norm_bwd(x, dxn):
