@@ -22,6 +22,7 @@ import os
 import socket
 import statistics
 import time
+import weakref
 from typing import Callable
 
 import torch
@@ -204,6 +205,20 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def drop_dispatcher_graphs(chunks: list) -> None:
+    """Clear the ``probs`` Megatron's token dispatchers keep from the last forward, autograd graph included.
+
+    That graph reaches the DDP gradient hooks, whose closures hold the model: a cycle through C++ autograd nodes
+    that Python's collector cannot free, so without this every stock row kept its model, gradients and optimizer
+    state until the process ended (the 2026-12-06 H200 call: the third stock row of a ``--repeat`` ran out of
+    memory)."""
+    for chunk in chunks:
+        for module in chunk.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if getattr(dispatcher, "probs", None) is not None:
+                dispatcher.probs = None
+
+
 def training_step_fn(chunks: list, optimizer, vocab_size: int, seq: int, micro_batch: int,
                      after_step: Callable[[list], None] | None = None, profiler=None,
                      optimizer_timer: RegionTimer | None = None, nan_guard: bool = False,
@@ -340,10 +355,10 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     A step is: zero the grads, forward + backward of one microbatch through Megatron's schedule,
     ``optimizer.step()``, then ``after_step(chunks)`` (e.g. router-bias updates). The peak
     counts weights, gradients, AdamW state and activations; it is reset before the model is built,
-    and the model and optimizer are freed before returning. ``profiler`` (a started
-    ``torch.profiler.profile``) is stepped after each timed step when given. ``manual_gc``: Python's
-    collector off during the steps, as in training (``megatron_ext/training/manual_gc.py``, interval 0 here:
-    no collection inside the timed window); False leaves the automatic collector on. ``counters``: an object
+    and the model and optimizer are freed before returning (``model_freed``: whether they were).
+    ``profiler`` (a started ``torch.profiler.profile``) is stepped after each timed step when given.
+    ``manual_gc``: Python's collector off during the steps, as in training (``megatron_ext/training/manual_gc.py``,
+    interval 0 here: no collection inside the timed window); False leaves the automatic collector on. ``counters``: an object
     with ``reset(chunks)``, called after the warm-up, and ``read(chunks) -> dict``, called after the timed
     steps (outside the timed region); its dict joins the result (e.g. dropped pairs summed over the timed steps).
     ``nan_guard``, ``step_graph``: as training steps (:func:`training_step_fn`); with ``step_graph`` at least three
@@ -377,7 +392,10 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
         counted = counters.read(chunks) if counters is not None else {}
         peak = torch.cuda.max_memory_allocated() / 2**30 if model_device.type == "cuda" else 0.0
     finally:
+        drop_dispatcher_graphs(chunks)
+        model_ref = weakref.ref(chunks[0])
         del chunks, optimizer, step
         free_device_memory(model_device)
     return {"step_ms": ms, "optimizer_ms": optimizer_ms, "peak_gb": peak,
-            "main_grad_dtype": DTYPE_NAMES.get(grad_dtype, str(grad_dtype)), **counted}
+            "main_grad_dtype": DTYPE_NAMES.get(grad_dtype, str(grad_dtype)), "model_freed": model_ref() is None,
+            **counted}

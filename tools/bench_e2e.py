@@ -77,7 +77,7 @@ Fields of a row (JSON; the printed table shows the starred ones):
 * ``error``: why a row failed (its measured fields are null); after a failure that left the CUDA context unusable
   (a broken graph capture, a device fault: a small kernel is tried after every failed row) the later rows are
   not run and say so (``not run: the CUDA context failed after row ...``); ``cleanup_error`` where freeing a row's
-  memory failed; ``scaling_efficiency`` on multi-GPU rows.
+  memory failed or its model outlived the row; ``scaling_efficiency`` on multi-GPU rows.
 
 Model FLOPs per token come from ``megatron_ext/flops.py`` for every row (the stock rows are counted
 with ``ours_base``'s config: same layers, same formula); docs/e2e.md writes the formula out.
@@ -189,6 +189,8 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
             main_grad_dtype="fp32" if stock else args.main_grad_dtype, manual_gc=not args.automatic_gc,
             counters=setup.counters, nan_guard=not stock, step_graph=setup.step_graph)
         row.update(measured_fields(timing, setup, world, args.peak_tflops), manual_gc=not args.automatic_gc)
+        if not row.pop("model_freed"):  # the next rows would run beside its memory
+            row["cleanup_error"] = "the model outlived its row (something still references it)"
     except Exception as exc:  # keep the other variants' rows; say why this one is missing
         if dist.get_rank() == 0:
             traceback.print_exc()

@@ -48,6 +48,7 @@ def test_smoke_times_every_variant_and_profiles_one(tmp_path):
     assert list(rows) == list(VARIANTS) and list(rows)[:2] == ["stock", "stock_sdpa"]
     for name, row in rows.items():
         assert "error" not in row, (name, row.get("error"))
+        assert "cleanup_error" not in row, (name, row["cleanup_error"])  # the next row would run beside it
         assert ROW_KEYS <= set(row) and row["gpus"] == 1
         assert row["tokens_per_sec"] > 0 and row["tflops"] > 0 and row["mfu"] > 0, name
         assert row["mfu_datasheet"] == pytest.approx(row["tflops"] / 989.0), name
