@@ -50,7 +50,8 @@ one process. Kernel launch choices are compared across commits (they are not swi
 ``--repeat N`` runs the whole list N times in turn (rows of one round apart in time, so drift hits every row alike);
 ``rows`` then holds one row per name, its median run (the middle one by step time, the lower middle for an even
 count, failed runs left out), with ``step_ms_runs`` (every run's step time, None where it failed), and ``runs`` every
-timed row in order with its ``round``: the figures a README quotes where runs vary. ``--commit`` records the
+timed row in order with its ``round``: the figures a README quotes where runs vary. The JSON is written after
+every round (``repeat``: the rounds it holds), so a time limit or a crash keeps the rounds done. ``--commit`` records the
 commit the tree is at (the device's copy of a tree may carry stale git metadata).
 
 Fields of a row (JSON; the printed table shows the starred ones):
@@ -287,6 +288,21 @@ def profile_markdown(prof, name: str, cuda: bool, row: dict, skipped_steps: int,
 
 
 # --- Output --------------------------------------------------------------------------------------
+def result_of(runs: list[dict], rounds: int, args, cuda: bool) -> dict:
+    """The JSON of ``rounds`` rounds of rows (``repeat``: how many; rows are each name's median run)."""
+    import megatron.core
+
+    return {"rows": median_rows(runs) if args.repeat > 1 else runs, **({"runs": runs} if args.repeat > 1 else {}),
+            "repeat": rounds, "commit": args.commit, "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "date": datetime.date.today().isoformat(), "peak_tflops_measured": args.peak_tflops,
+            "peak_tflops_datasheet": H200_DATASHEET_BF16_TFLOPS, "peak_datasheet": DATASHEET_PEAK_NAME,
+            "dtype": "bf16" if cuda else "fp32", "steps": args.steps, "warmup": args.warmup,
+            "model": args.sizes["model"], "vocab": args.sizes["vocab"],
+            "capacity_factor": CAPACITY_FACTOR, "stock_aux_loss_coeff": STOCK_AUX_LOSS,
+            "flops": "megatron_ext/flops.py, training = 3 x forward; tflops is per GPU; see docs/e2e.md",
+            "torch": torch.__version__, "megatron_core": megatron.core.__version__, "smoke": args.smoke}
+
+
 def run(args, log=print) -> dict | None:
     cuda = not args.smoke
     if cuda and not torch.cuda.is_available():
@@ -315,18 +331,11 @@ def run(args, log=print) -> dict | None:
                 runs[-1]["round"] = round_
             if rank == 0:
                 log(f"> {name}: " + (runs[-1].get("error") or f"{runs[-1]['step_ms']:.1f} ms/step"))
-    rows = median_rows(runs) if args.repeat > 1 else runs
-    import megatron.core
-
-    result = {"rows": rows, **({"runs": runs} if args.repeat > 1 else {}), "repeat": args.repeat,
-              "commit": args.commit, "device": torch.cuda.get_device_name() if cuda else "cpu",
-              "date": datetime.date.today().isoformat(), "peak_tflops_measured": args.peak_tflops,
-              "peak_tflops_datasheet": H200_DATASHEET_BF16_TFLOPS, "peak_datasheet": DATASHEET_PEAK_NAME,
-              "dtype": "bf16" if cuda else "fp32", "steps": args.steps, "warmup": args.warmup,
-              "model": args.sizes["model"], "vocab": args.sizes["vocab"],
-              "capacity_factor": CAPACITY_FACTOR, "stock_aux_loss_coeff": STOCK_AUX_LOSS,
-              "flops": "megatron_ext/flops.py, training = 3 x forward; tflops is per GPU; see docs/e2e.md",
-              "torch": torch.__version__, "megatron_core": megatron.core.__version__, "smoke": args.smoke}
+        if rank == 0 and args.out and round_ + 1 < args.repeat:  # a time limit or a crash keeps the rounds done
+            write_json(args.out, result_of(runs, round_ + 1, args, cuda))
+            log(f"> round {round_ + 1} of {args.repeat} written to {args.out}")
+    result = result_of(runs, args.repeat, args, cuda)
+    rows = result["rows"]
     if rank == 0:
         if args.out:
             write_json(args.out, result)

@@ -84,4 +84,6 @@ def write_json(path: str, result: dict) -> None:
             pass  # an unreadable old file is replaced
     add_scaling_efficiency(result["rows"])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    part = out.with_name(out.name + ".part")  # replaced in one step: a kill mid-write leaves the last whole file
+    part.write_text(json.dumps(result, indent=1) + "\n")
+    part.replace(out)

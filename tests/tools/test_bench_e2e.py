@@ -6,6 +6,7 @@ import re
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,23 @@ def test_smoke_repeat_reports_the_median_and_every_run(tmp_path):
         times = [r["step_ms"] for r in result["runs"] if r["name"] == row["name"]]
         assert row["step_ms_runs"] == times and row["step_ms"] == sorted(times)[1]
     assert "ours_base: median of 3 rounds" in stdout
+
+
+def test_rounds_done_survive_a_kill(tmp_path):
+    """The JSON holds every finished round as soon as it is done: a time limit's kill loses only the round under way."""
+    out_json = tmp_path / "e2e.json"
+    proc = _start(tmp_path, "--variants", "ours_base", "--repeat", "50", "--out", str(out_json))
+    deadline = time.monotonic() + 240
+    while not out_json.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.kill()
+    proc.communicate()
+    result = json.loads(out_json.read_text())
+    rounds = result["repeat"]
+    assert 1 <= rounds < 50 and len(result["runs"]) == rounds
+    assert [r["round"] for r in result["runs"]] == list(range(rounds))
+    (row,) = result["rows"]
+    assert row["step_ms_runs"] == [r["step_ms"] for r in result["runs"]] and row["step_ms"] > 0
 
 
 def test_two_gpu_rows_get_their_scaling_efficiency(tmp_path):
