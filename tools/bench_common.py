@@ -358,9 +358,10 @@ def time_training_step(build_chunks: Callable[[], list], config, vocab_size: int
     and the model and optimizer are freed before returning (``model_freed``: whether they were).
     ``profiler`` (a started ``torch.profiler.profile``) is stepped after each timed step when given.
     ``manual_gc``: Python's collector off during the steps, as in training (``megatron_ext/training/manual_gc.py``,
-    interval 0 here: no collection inside the timed window); False leaves the automatic collector on. ``counters``: an object
-    with ``reset(chunks)``, called after the warm-up, and ``read(chunks) -> dict``, called after the timed
-    steps (outside the timed region); its dict joins the result (e.g. dropped pairs summed over the timed steps).
+    interval 0 here: no collection inside the timed window); False leaves the automatic collector on.
+    ``counters``: an object with ``reset(chunks)``, called after the warm-up, and ``read(chunks) -> dict``, called
+    after the timed steps (outside the timed region); its dict joins the result (e.g. dropped pairs summed over
+    the timed steps).
     ``nan_guard``, ``step_graph``: as training steps (:func:`training_step_fn`); with ``step_graph`` at least three
     warm-up steps (two eager, one capture), else the timed steps would include them.
     """

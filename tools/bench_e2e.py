@@ -51,8 +51,8 @@ one process. Kernel launch choices are compared across commits (they are not swi
 ``rows`` then holds one row per name, its median run (the middle one by step time, the lower middle for an even
 count, failed runs left out), with ``step_ms_runs`` (every run's step time, None where it failed), and ``runs`` every
 timed row in order with its ``round``: the figures a README quotes where runs vary. The JSON is written after
-every round (``repeat``: the rounds it holds), so a time limit or a crash keeps the rounds done. ``--commit`` records the
-commit the tree is at (the device's copy of a tree may carry stale git metadata).
+every round (``repeat``: the rounds it holds), so a time limit or a crash keeps the rounds done. ``--commit``
+records the commit the tree is at (the device's copy of a tree may carry stale git metadata).
 
 Fields of a row (JSON; the printed table shows the starred ones):
 
