@@ -166,7 +166,11 @@ def test_sigterm_judges_the_signalled_run_and_that_the_resumed_one_goes_on(tmp_p
     drifted = {i: r for i, r in _scaled(_losses(0.3), 1.08).items() if i >= 20}
     result = _sigterm_job(tmp_path / "a", monkeypatch, drifted)
     assert result["passed"] and result["saved_at_iteration"] == 19
-    assert result["after_resume"]["max_rel_diff_to_C"] == pytest.approx(0.08)
+    after = result["after_resume"]
+    assert after["max_rel_diff_to_C"] == pytest.approx(0.08)
+    assert after["iterations"] == sorted(drifted)  # each shared iteration's two losses, for reading the distance
+    assert after["losses_T2"] == [drifted[i]["lm_loss"] for i in after["iterations"]]
+    assert after["losses_C"] == pytest.approx([v / 1.08 for v in after["losses_T2"]])
     gap = {i: r for i, r in drifted.items() if i != 21}
     assert not _sigterm_job(tmp_path / "b", monkeypatch, gap)["passed"]
     nonfinite = {**drifted, 25: {"lm_loss": float("nan")}}

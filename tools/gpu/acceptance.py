@@ -160,9 +160,12 @@ def step_sigterm(job: Job) -> dict:
     before = judge_losses(reference, t["records"], list(range(resumed_from + 1, saved + 1)), FIRST_TOLERANCE)
     continued = sorted(r["records"]) == list(range(saved + 1, RESUME_ITERS + 1)) and all(
         math.isfinite(rec["lm_loss"]) for rec in r["records"].values())
-    shared = [i for i in r["records"] if i in reference]
+    shared = sorted(i for i in r["records"] if i in reference)
+    # recorded, not judged (T2 continues T, not C); the losses say whether a distance is drift or a step change
     after = {"continued_to_the_end": continued,
-             "max_rel_diff_to_C": max_rel_diff(reference, r["records"], shared) if shared else None}
+             "max_rel_diff_to_C": max_rel_diff(reference, r["records"], shared) if shared else None,
+             "iterations": shared, "losses_C": [reference[i]["lm_loss"] for i in shared],
+             "losses_T2": [r["records"][i]["lm_loss"] for i in shared]}
     return {"passed": before["passed"] and continued, "saved_at_iteration": saved,
             "before_signal": before, "after_resume": after, "signal_to_exit_s": t["signal_to_exit_s"],
             "timing": dict(zip(("T", "T2"), timing(t, r)))}
