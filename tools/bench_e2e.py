@@ -173,12 +173,11 @@ def bf16_matmul_peak_tflops(n: int, cuda: bool) -> float:
 
 def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
     """One row: a fresh parallel state, the timed step, everything freed after."""
-    from megatron.core import parallel_state as ps
-
     world = dist.get_world_size()
     row = row_head(name, args)
     seq, micro_batch = row["seq"], row["micro_batch"]
     stock = "attention" in row
+    groups_before = bench_common.registered_groups()
     try:
         bench_common.init_expert_parallel(seed=1234)
         setup = variant_setup(name, args, cuda)
@@ -200,9 +199,11 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
         get_moe_metrics_tracker().clear()  # Megatron's global per-layer aux-loss values
-        ps.destroy_model_parallel()
+        bench_common.destroy_expert_parallel(groups_before)  # the next row builds them again
         try:  # after a CUDA error the synchronize in here raises too: the row says so, the JSON still comes
-            bench_common.free_device_memory(torch.device("cuda") if cuda else torch.device("cpu"))
+            device = torch.device("cuda") if cuda else torch.device("cpu")
+            bench_common.free_device_memory(device)
+            row["left_after_row"] = bench_common.device_memory_left(device)
         except Exception as exc:
             row["cleanup_error"] = f"{type(exc).__name__}: {exc}"[:400]
     return row
@@ -330,7 +331,10 @@ def run(args, log=print) -> dict | None:
             if args.repeat > 1:
                 runs[-1]["round"] = round_
             if rank == 0:
-                log(f"> {name}: " + (runs[-1].get("error") or f"{runs[-1]['step_ms']:.1f} ms/step"))
+                left = runs[-1].get("left_after_row")
+                log(f"> {name}: " + (runs[-1].get("error") or f"{runs[-1]['step_ms']:.1f} ms/step") + (
+                    f" (left after it: {left['device_used_gb']:.2f} GB in use, {left['torch_reserved_gb']:.2f} GB "
+                    "of it the allocator's)" if left else ""))
         if rank == 0 and args.out and round_ + 1 < args.repeat:  # a time limit or a crash keeps the rounds done
             write_json(args.out, result_of(runs, round_ + 1, args, cuda))
             log(f"> round {round_ + 1} of {args.repeat} written to {args.out}")

@@ -50,6 +50,7 @@ def test_smoke_times_every_variant_and_profiles_one(tmp_path):
     for name, row in rows.items():
         assert "error" not in row, (name, row.get("error"))
         assert "cleanup_error" not in row, (name, row["cleanup_error"])  # the next row would run beside it
+        assert row["left_after_row"] is None  # the device memory a row leaves: CUDA only
         assert ROW_KEYS <= set(row) and row["gpus"] == 1
         assert row["tokens_per_sec"] > 0 and row["tflops"] > 0 and row["mfu"] > 0, name
         assert row["mfu_datasheet"] == pytest.approx(row["tflops"] / 989.0), name
