@@ -55,10 +55,19 @@ step skew ${SKEW_LIMIT:-480} bash -c "rm -rf $SKEW_DIR && python3 -m torch.distr
 step rmsnorm 60 python3 tools/dev/bench_rms_norm.py --out "$OUT/rms-norm-h200.json"
 # checkpoint checksums per file vs per block on this host's cores (8 GB in /dev/shm, host-side only)
 step checksums 120 python3 tools/dev/bench_checksums.py --gb 8 --out "$OUT/checksums-h200.json"
-# fla autotunes for minutes per shape (238 s at B4 T8192 H32). Its choices are Triton cache_results files: set
-# TRITON_CACHE_DIR to a carried folder (e.g. .ab/tcache) and pack its *.autotune.json into $OUT to reuse them
-# in a later call (they hold configs, not timings; see docs/benchmarks.md, KDA kernels).
+# fla autotunes for minutes per head count (238 s at B4 T8192 H32). Its choices are Triton cache_results files
+# (*.autotune.json: configs, not timings; docs/benchmarks.md, KDA kernels): the step packs them into
+# $OUT/kda-autotune.tgz, and KDA_AUTOTUNE=<that file, carried> unpacks them first, so a call cut short in fla's
+# autotune leaves the next one less to tune.
+if [[ ",$STEPS," == *",kda,"* ]]; then
+  export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+  mkdir -p "$TRITON_CACHE_DIR"
+  [ -n "${KDA_AUTOTUNE:-}" ] && tar xzf "$KDA_AUTOTUNE" -C "$TRITON_CACHE_DIR"
+fi
 step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-} --out "$OUT/kda-h200.json"
+if [[ ",$STEPS," == *",kda,"* ]]; then
+  (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" | tar czf "$OUT/kda-autotune.tgz" -T -)
+fi
 # expandable segments: the five variants of one process reuse memory of different shapes
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 step e2e ${E2E_LIMIT:-400} python3 tools/bench_e2e.py ${E2E_FLAGS:-} --out "$OUT/e2e-h200.json"
