@@ -23,9 +23,10 @@ fi
 [ "$STEPS" = install ] && exit 0
 export PYTHONPATH=/tmp/site:$PWD
 LOG="$OUT/session.log"
+wants() { [[ ",$STEPS," == *",$1,"* ]]; }  # wants NAME: the call asked for step NAME
 step() {  # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
-  case ",$STEPS," in *",$name,"*) ;; *) return 0 ;; esac
+  wants "$name" || return 0
   echo "=== $name ($(date -u +%H:%M:%S), limit ${limit}s): $*" | tee -a "$LOG"
   local t0=$SECONDS
   timeout "$limit" "$@" >>"$LOG" 2>&1
@@ -59,13 +60,13 @@ step checksums 120 python3 tools/dev/bench_checksums.py --gb 8 --out "$OUT/check
 # (*.autotune.json: configs, not timings; docs/benchmarks.md, KDA kernels): the step packs them into
 # $OUT/kda-autotune.tgz, and KDA_AUTOTUNE=<that file, carried> unpacks them first, so a call cut short in fla's
 # autotune leaves the next one less to tune.
-if [[ ",$STEPS," == *",kda,"* ]]; then
+if wants kda; then
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
   mkdir -p "$TRITON_CACHE_DIR"
   [ -n "${KDA_AUTOTUNE:-}" ] && tar xzf "$KDA_AUTOTUNE" -C "$TRITON_CACHE_DIR"
 fi
 step kda ${KDA_LIMIT:-300} python3 tools/bench_kda.py --shapes 0,1 ${KDA_FLAGS:-} --out "$OUT/kda-h200.json"
-if [[ ",$STEPS," == *",kda,"* ]]; then
+if wants kda; then
   (cd "$TRITON_CACHE_DIR" && find . -name "*.autotune.json" | tar czf "$OUT/kda-autotune.tgz" -T -)
 fi
 # expandable segments: the five variants of one process reuse memory of different shapes
