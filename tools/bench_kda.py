@@ -144,6 +144,8 @@ def main():
     parser.add_argument("--skip-fla", action="store_true", help="time ours only (fla autotunes for minutes)")
     parser.add_argument("--skip-softplus", action="store_true",
                         help="time the lower-bounded gate only (an A/B of kernels: half the compiles and timings)")
+    parser.add_argument("--commit", default=None,
+                        help="the commit to record in the JSON (the device's copy of a tree may carry stale git metadata)")
     args = parser.parse_args()
     device, date = torch.cuda.get_device_name(), datetime.date.today().isoformat()
     fla_kda = None if args.skip_fla else import_fla()
@@ -177,7 +179,7 @@ def main():
             correctness = check_correctness(fla_kda, H)
             print("correctness (relative max error, bf16):", json.dumps(correctness, indent=1), flush=True)
         with open(args.out, "w") as fh:  # after every shape, so a run cut short still leaves its rows
-            json.dump(dict(rows=rows, correctness=correctness, **breakdowns), fh, indent=1)
+            json.dump(dict(commit=args.commit, rows=rows, correctness=correctness, **breakdowns), fh, indent=1)
     print(f"\n{'shape':<22}{'ours fwd':>10}{'fla fwd':>10}{'ours f+b':>10}{'fla f+b':>10}{'softplus f+b':>14}"
           f"{'speedup f+b':>12}")
     for r in rows:
