@@ -125,11 +125,13 @@ def train_one(study: StudyConfig, balancer: str, log=print) -> dict:
     from megatron_ext.data.build import build_data_iterators
     from megatron_ext.moe.metrics import collect_moe_metrics
     from megatron_ext.moe.router import update_expert_biases
-    from megatron_ext.parallel import build_model_chunks, build_optimizer, initialize_parallel, wrap_ddp
+    from megatron_ext.parallel import (build_model_chunks, build_optimizer, destroy_parallel, initialize_parallel,
+                                       registered_groups, wrap_ddp)
     from megatron_ext.training.arguments import DataConfig
     from megatron_ext.training.step import forward_backward
 
     config = model_config(study, balancer)
+    groups_before = registered_groups()
     initialize_parallel(config, study.seed)
     try:
         chunks = build_model_chunks(config)
@@ -164,7 +166,7 @@ def train_one(study: StudyConfig, balancer: str, log=print) -> dict:
                     f"dropped {scalars['moe/dropped']} | {time.perf_counter() - start:.1f}s")
         bias = [b.tolist() for b in _biases(chunks) if b is not None]
     finally:
-        ps.destroy_model_parallel()
+        destroy_parallel(groups_before)  # the next balancer builds them again
     return {**curves, "final_loss": curves["loss"][-1], "dropped_total": sum(curves["dropped"]),
             "dropped": sum(curves["dropped"]), "rerouted_total": sum(curves["rerouted"]), "final_bias": bias,
             "seconds": time.perf_counter() - start}

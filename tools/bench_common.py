@@ -2,8 +2,8 @@
 
 * :func:`init_process_group` - one process (world 1) or torchrun's world; nccl on the GPU,
   gloo (with ``megatron_ext.cpu_compat``) on the CPU;
-* :func:`init_expert_parallel` - Megatron's groups with EP = world size (TP = PP = 1) and seeds;
-  :func:`destroy_expert_parallel` destroys them, the communicators too (a process that builds them again);
+* :func:`init_expert_parallel` - Megatron's groups with EP = world size (TP = PP = 1) and seeds (torn down by
+  ``megatron_ext.parallel.destroy_parallel`` in a process that builds them again);
 * :func:`median_ms` - median time of a step over iterations after a warm-up, max over ranks;
   :func:`local_median_ms` the same in one process (kernel benchmarks), both timing each call with
   :func:`call_ms`;
@@ -61,27 +61,6 @@ def init_expert_parallel(seed: int = 1234) -> None:
                                  expert_tensor_parallel_size=1)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-
-
-def registered_groups() -> set:
-    """The process groups torch.distributed holds (the default one included)."""
-    return set(dist.distributed_c10d._world.pg_map)
-
-
-def destroy_expert_parallel(groups_before: set) -> None:
-    """Undo :func:`init_expert_parallel` for a process that builds Megatron's groups again (one bench_e2e row each).
-
-    Megatron's ``destroy_model_parallel`` drops its references but destroys only its gloo groups: the others stay
-    registered with torch.distributed, NCCL communicators and their device buffers included. A one-GPU bench_e2e
-    process gained 1.6-1.8 GB of device memory outside the caching allocator per row (H100, 2026-12-06), until a
-    later row ran out of memory. Every group registered since ``groups_before`` (:func:`registered_groups`) goes."""
-    from megatron.core import parallel_state as ps
-
-    ps.destroy_model_parallel()
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        torch.cuda.synchronize()  # no collective left in flight on a communicator about to go
-    for group in registered_groups() - groups_before:
-        dist.destroy_process_group(group)
 
 
 def this_rank_device() -> torch.device:

@@ -173,11 +173,13 @@ def bf16_matmul_peak_tflops(n: int, cuda: bool) -> float:
 
 def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
     """One row: a fresh parallel state, the timed step, everything freed after."""
+    from megatron_ext.parallel import destroy_parallel, registered_groups
+
     world = dist.get_world_size()
     row = row_head(name, args)
     seq, micro_batch = row["seq"], row["micro_batch"]
     stock = "attention" in row
-    groups_before = bench_common.registered_groups()
+    groups_before = registered_groups()
     try:
         bench_common.init_expert_parallel(seed=1234)
         setup = variant_setup(name, args, cuda)
@@ -199,7 +201,7 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
         from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 
         get_moe_metrics_tracker().clear()  # Megatron's global per-layer aux-loss values
-        bench_common.destroy_expert_parallel(groups_before)  # the next row builds them again
+        destroy_parallel(groups_before)  # the next row builds them again
         try:  # after a CUDA error the synchronize in here raises too: the row says so, the JSON still comes
             device = torch.device("cuda") if cuda else torch.device("cpu")
             bench_common.free_device_memory(device)
