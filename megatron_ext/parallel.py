@@ -128,11 +128,10 @@ def destroy_parallel(groups_before: set) -> None:
     1.6-1.8 GB of device memory outside the caching allocator per rebuild (H100, 2026-12-06) until a later row
     ran out of memory."""
     ps.destroy_model_parallel()
-    dist = torch.distributed
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
         torch.cuda.synchronize()  # no collective left in flight on a communicator about to go
     for group in registered_groups() - groups_before:
-        dist.destroy_process_group(group)
+        torch.distributed.destroy_process_group(group)
 
 
 def build_model_chunks(config: HybridConfig) -> list[torch.nn.Module]:

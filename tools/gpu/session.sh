@@ -59,8 +59,8 @@ step checksums 120 python3 tools/dev/bench_checksums.py --gb 8 --out "$OUT/check
 # fla autotunes for minutes per head count (238 s at B4 T8192 H32). Its choices are Triton cache_results files
 # (*.autotune.json: configs, not timings; docs/benchmarks.md, KDA kernels): the step packs them into
 # $OUT/kda-autotune.tgz, and KDA_AUTOTUNE=<that file, carried> unpacks them first, so a call cut short in fla's
-# autotune leaves the next one less to tune. tools/gpu/fla-autotune-h200.tgz: the choices of an H200 call at H 32 (bench_kda
-# --shapes 0, 2026-12-06, triton 3.6.0, fla-core 0.6.0: they apply to that pair and to an H200 only).
+# autotune leaves the next one less to tune. tools/gpu/fla-autotune-h200.tgz: the choices of an H200 call at H 32
+# (bench_kda --shapes 0, 2026-12-06, triton 3.6.0, fla-core 0.6.0: they apply to that pair and to an H200 only).
 if wants kda; then
   export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
   mkdir -p "$TRITON_CACHE_DIR"
