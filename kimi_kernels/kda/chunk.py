@@ -16,7 +16,7 @@ from kimi_kernels.kda.inter_bwd import inter_bwd_kernel
 from kimi_kernels.kda.intra import intra_fwd_kernel
 from kimi_kernels.kda.l2norm import EPS as L2_EPS, l2norm_bwd_kernel
 from kimi_kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
-from kimi_kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
+from kimi_kernels.kda.state import state_bwd_kernel, state_fwd_kernel
 
 CHUNK = 64
 
@@ -26,7 +26,7 @@ def _launch(**choices) -> MappingProxyType:
     return MappingProxyType(choices)
 
 
-# Launch tables (V tile BV, num_warps, num_stages), fixed here. 4 warps everywhere but the output kernel: a
+# Launch tables (V tile BV, num_warps, num_stages), fixed here. 4 warps everywhere: a
 # one-knob sweep on the H200 (docs/bench/kda-sweep-h200.json, B4 T8192 H32 D128) measured each 4-warp table
 # faster than the 8-warp one it replaced (the forward state walk's wider tiles then spilled at 4 warps; with its
 # products in bf16 none spills, tests/kernels/test_kda_compile.py).
@@ -41,7 +41,6 @@ INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4, num_stages=1, maxnreg=128, PRODUC
 # SMs, else the widest (state_config): more walkers win until they no longer run at once (H200, per shape:
 # docs/bench/kda-sweep-walk-h200.json, docs/bench/kda-sweep-16k-state-h200.json).
 STATE_CONFIGS = (_launch(BV=16, num_warps=4), _launch(BV=32, num_warps=4), _launch(BV=64, num_warps=4))
-OUTPUT_CONFIG = _launch(BV=64, num_warps=4)
 # gate cumsum with q's L2 norm and QG, and k's L2 norm (memory-bound, docs/kda.md): one warp per (chunk, COLS
 # columns = 2 heads of 128, one part), the rows inside each thread, blocks of RB rows of f and q (RB_NORM rows of
 # k) loaded one block ahead. The register cap keeps at least 16 programs an SM (ptxas, sm_90, no spills under
@@ -145,7 +144,7 @@ def gate_layout(f) -> tuple[int, int, int]:
 
 def gate_cumsum(f, A_log, dt_bias, lower_bound, gate, meta, q, k, l2norm, scale):
     """One kernel: the chunk-local cumsum G of the (optionally activated) gate ``f [B, T, H, K]``, fp32 packed
-    [B T, H, K]; the output kernel's ``QG = scale qn exp(G)`` (q's dtype); and, when l2norm, the inverse L2 norms
+    [B T, H, K]; the output's ``QG = scale qn exp(G)`` (q's dtype); and, when l2norm, the inverse L2 norms
     of q and k per (token, head), fp32 [B T, H] (else None), with qn = q * inv_q (q itself without l2norm)."""
     T, H, K = q.shape
     G = torch.empty(T, H, K, dtype=torch.float32, device=f.device)
@@ -188,13 +187,12 @@ def kda_fwd(q, k, v, G, QG, norms, beta, scale, h0, output_final_state, safe_gat
     hbuf = torch.empty(meta.num_chunks, H, K, V, dtype=dt, device=dev)
     U = torch.empty_like(U0)
     ht = torch.empty(meta.num_seqs, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
+    o = torch.empty_like(v)
     state_cfg = state_config(meta.num_seqs, H, V, dev)
     state_fwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
-        KGL, W, U0, G, h0 if h0 is not None else k, hbuf, U, ht if ht is not None else k, meta.seq_chunks,
-        meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts, **state_cfg)
-    o = torch.empty_like(v)
-    output_kernel[(triton.cdiv(V, OUTPUT_CONFIG["BV"]), meta.num_chunks, H)](
-        QG, hbuf, Mqk, U, o, meta.chunk_start, meta.chunk_len, **opts, **OUTPUT_CONFIG)
+        KGL, W, U0, G, QG, Mqk, h0 if h0 is not None else k, hbuf, U, o, ht if ht is not None else k,
+        meta.seq_chunks, meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts,
+        **state_cfg)
     return o, ht, (Mqk, Ainv, W, U, hbuf, QG, KGL)
 
 

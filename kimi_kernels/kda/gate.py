@@ -76,7 +76,7 @@ def gate_cumsum_chunk(f, A_log, dt_bias, G, q, inv_q, QG, t0, n, hg, col, col_ok
                       NORM: tl.constexpr):
     """G = cumsum over the chunk's rows of gate(f) for the HB * BK columns col (head_group_columns), RB rows at a
     time, in [RB, HB * BK] tiles; with each block of G, the same rows of q: their inverse L2 norms per head into
-    inv_q (NORM; fp32 [T, H]) and QG = scale qn exp(G), qn = q inv_q, the output kernel's query (so that kernel
+    inv_q (NORM; fp32 [T, H]) and QG = scale qn exp(G), qn = q inv_q, the output's query (so that the forward walk
     reads neither q nor the fp32 G).
     f's column offsets are marked contiguous in runs of 4 only (tl.max_contiguous), so f (bf16) is read in 8-byte
     runs, 4 columns a run as in G's 16-byte fp32 stores: both accesses take one layout (4 columns a vector, the

@@ -1,4 +1,4 @@
-"""Inter-chunk state pass (forward and backward) and the output kernel.
+"""Inter-chunk state pass (forward, with the output, and backward).
 
 Per chunk, with S the state at the chunk start, Gl = G[last] and kgl = k * exp(Gl - G):
     u = u0 - w S,   o = scale (q * exp(G)) S + Mqk u,   S_next = exp(Gl) * S + kgl^T u.
@@ -6,6 +6,8 @@ The state kernels walk the chunks of one sequence in order (one program per (V t
 and store S per chunk (forward) or dS_next per chunk (backward) for the parallel kernels. Their chunk steps
 are serial, so whatever does not depend on the state is computed before, in parallel over chunks: kgl (by
 ``intra_fwd_kernel``) and scale q exp(G) (by the gate pass), kept from the forward for the backward walk.
+The forward walk writes o as it goes: its products hang off the chain (nothing later in the walk reads them),
+so they fill the walk's latency instead of a separate pass re-reading S, u, qg and Mqk.
 """
 
 import triton
@@ -52,9 +54,10 @@ def chunk_step_bounds(G, chunk_start, chunk_len, c, h, H, K: tl.constexpr, BK: t
 
 
 @triton.jit
-def state_fwd_kernel(KGL, W, U0, G, h0, hbuf, U, ht, seq_chunks, chunk_start, chunk_len,
+def state_fwd_kernel(KGL, W, U0, G, QG, Mqk, h0, hbuf, U, O, ht, seq_chunks, chunk_start, chunk_len,
                      H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, DOT_BF16: tl.constexpr):
+    """Forward walk: u = u0 - w S and o = qg S + Mqk u per chunk, S per chunk to hbuf (for the backward)."""
     vb, nh = tl.program_id(0), tl.program_id(1)
     seq, h = nh // H, nh % H
     v0 = vb * BV
@@ -67,32 +70,19 @@ def state_fwd_kernel(KGL, W, U0, G, h0, hbuf, U, ht, seq_chunks, chunk_start, ch
         t0, n, g_last = chunk_step_bounds(G, chunk_start, chunk_len, c, h, H, K, BK)
         w, u0 = load_rows(W, t0, n, h, H, K, 0, BK), load_rows(U0, t0, n, h, H, V, v0, BV)
         kgl = load_rows(KGL, t0, n, h, H, K, 0, BK)
+        qg, m = load_rows(QG, t0, n, h, H, K, 0, BK), load_rows(Mqk, t0, n, h, H, 64, 0, 64)
         offs_c, _ = state_offsets(c, h, v0, H, K, V, BK, BV)
         tl.store(hbuf + offs_c, S.to(hbuf.dtype.element_ty), mask=mask_s)
         # the state stays fp32; its products take it rounded to the dot dtype, as the backward walk does
-        u = u0.to(tl.float32) - tl.dot(to_dot(w, DOT_BF16), to_dot(S, DOT_BF16))
+        s_dot = to_dot(S, DOT_BF16)
+        u = u0.to(tl.float32) - tl.dot(to_dot(w, DOT_BF16), s_dot)
         store_chunk(U, u, t0, n, h, H, V, v0, BV)
-        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(to_dot(kgl, DOT_BF16)), to_dot(u, DOT_BF16))
+        u_dot = to_dot(u, DOT_BF16)
+        o = tl.dot(to_dot(m, DOT_BF16), u_dot, tl.dot(to_dot(qg, DOT_BF16), s_dot))
+        store_chunk(O, o, t0, n, h, H, V, v0, BV)
+        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(to_dot(kgl, DOT_BF16)), u_dot)
     if STORE_FINAL:
         tl.store(ht + offs0, S, mask=mask_s)
-
-
-@triton.jit
-def output_kernel(QG, hbuf, Mqk, U, O, chunk_start, chunk_len,
-                  H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  DOT_BF16: tl.constexpr):
-    """o = QG S + Mqk u per (V tile, chunk, head); QG = scale q exp(G) comes from the gate pass
-    (gate_cumsum_kernel), in q's dtype."""
-    vb, c, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t0, n = tl.load(chunk_start + c), tl.load(chunk_len + c)
-    v0 = vb * BV
-    qg = load_rows(QG, t0, n, h, H, K, 0, BK)
-    offs_c, mask_s = state_offsets(c, h, v0, H, K, V, BK, BV)
-    S = tl.load(hbuf + offs_c, mask=mask_s, other=0.0)
-    o = tl.dot(to_dot(qg, DOT_BF16), to_dot(S, DOT_BF16))
-    o += tl.dot(to_dot(load_chunk(Mqk, t0, n, h, H, 64, 0, 64), DOT_BF16),
-                to_dot(load_chunk(U, t0, n, h, H, V, v0, BV), DOT_BF16))
-    store_chunk(O, o, t0, n, h, H, V, v0, BV)
 
 
 @triton.jit

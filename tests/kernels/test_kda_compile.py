@@ -41,7 +41,7 @@ def kernel_cases():
     from kimi_kernels.kda.intra import intra_fwd_kernel
     from kimi_kernels.kda.intra_bwd import gate_bwd_kernel, intra_bwd_dqk_kernel, intra_bwd_dv_kernel
     from kimi_kernels.kda.l2norm import l2norm_bwd_kernel
-    from kimi_kernels.kda.state import output_kernel, state_bwd_kernel, state_fwd_kernel
+    from kimi_kernels.kda.state import state_bwd_kernel, state_fwd_kernel
 
     dims = dict(K=D, V=D, BK=D, DOT_BF16=True)
     narrow, middle, wide = chunk.STATE_CONFIGS
@@ -53,7 +53,6 @@ def kernel_cases():
         "state_fwd_bv16": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), narrow),
         "state_fwd_bv32": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), middle),
         "state_fwd_bv64": (state_fwd_kernel, dict(dims, HAS_H0=True, STORE_FINAL=True), wide),
-        "output": (output_kernel, dims, chunk.OUTPUT_CONFIG),
         "state_bwd_bv16": (state_bwd_kernel, dict(dims, HAS_DHT=True, HAS_H0=True), narrow),
         "state_bwd_bv32": (state_bwd_kernel, dict(dims, HAS_DHT=True, HAS_H0=True), middle),
         "state_bwd_bv64": (state_bwd_kernel, dict(dims, HAS_DHT=True, HAS_H0=True), wide),
@@ -86,7 +85,7 @@ SPILL_ALLOWANCE: dict[str, int] = {"inter_bwd": 320, "intra_fwd": 44, "intra_bwd
 MAX_REGISTERS: dict[str, int] = {"intra_fwd": 128, "intra_bwd_dv": 168, "intra_bwd_dqk": 128,
                                  "intra_bwd_dqk_per_position": 128}
 
-NAMES = ["gate_cumsum", "intra_fwd", "state_fwd_bv16", "state_fwd_bv32", "state_fwd_bv64", "output",
+NAMES = ["gate_cumsum", "intra_fwd", "state_fwd_bv16", "state_fwd_bv32", "state_fwd_bv64",
          "state_bwd_bv16", "state_bwd_bv32", "state_bwd_bv64", "inter_bwd", "intra_bwd_dv", "intra_bwd_dqk",
          "intra_bwd_dqk_per_position", "gate_bwd", "l2norm_bwd"]
 
