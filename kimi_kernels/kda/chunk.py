@@ -41,6 +41,9 @@ INTRA_FWD_CONFIG = _launch(BV=32, num_warps=4, num_stages=1, maxnreg=128, PRODUC
 # SMs, else the widest (state_config): more walkers win until they no longer run at once (H200, per shape:
 # docs/bench/kda-sweep-walk-h200.json, docs/bench/kda-sweep-16k-state-h200.json).
 STATE_CONFIGS = (_launch(BV=16, num_warps=4), _launch(BV=32, num_warps=4), _launch(BV=64, num_warps=4))
+# The forward walk also loads qg and Mqk to write o: at three stages the pipeliner's buffers (155 KB at BV 64, Triton
+# 3.8) leave one CTA an SM, and B4 H32's 256 programs would run in two waves; one stage (82 KB) keeps two an SM
+STATE_FWD_STAGES = MappingProxyType({16: 3, 32: 3, 64: 1})
 # gate cumsum with q's L2 norm and QG, and k's L2 norm (memory-bound, docs/kda.md): one warp per (chunk, COLS
 # columns = 2 heads of 128, one part), the rows inside each thread, blocks of RB rows of f and q (RB_NORM rows of
 # k) loaded one block ahead. The register cap keeps at least 16 programs an SM (ptxas, sm_90, no spills under
@@ -192,7 +195,7 @@ def kda_fwd(q, k, v, G, QG, norms, beta, scale, h0, output_final_state, safe_gat
     state_fwd_kernel[(triton.cdiv(V, state_cfg["BV"]), meta.num_seqs * H)](
         KGL, W, U0, G, QG, Mqk, h0 if h0 is not None else k, hbuf, U, o, ht if ht is not None else k,
         meta.seq_chunks, meta.chunk_start, meta.chunk_len, HAS_H0=h0 is not None, STORE_FINAL=ht is not None, **opts,
-        **state_cfg)
+        **state_cfg, num_stages=STATE_FWD_STAGES[state_cfg["BV"]])
     return o, ht, (Mqk, Ainv, W, U, hbuf, QG, KGL)
 
 
