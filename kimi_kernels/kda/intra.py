@@ -56,7 +56,8 @@ def chunk_block(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr, ROWS:
 
 @triton.jit
 def load_tile(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr, ROWS: tl.constexpr = 64):
-    """load_chunk (state.py) through a block pointer, the chunk's first ROWS rows (see chunk_block)."""
+    """The chunk's first ROWS rows, columns col0..col0+BD-1, in fp32 (zero past its n rows and D columns), through a
+    block pointer (see chunk_block)."""
     block = chunk_block(ptr, t0, n, h, H, D, col0, BD, ROWS)
     return tl.load(block, boundary_check=(0, 1), padding_option="zero").to(tl.float32)
 

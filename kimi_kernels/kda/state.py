@@ -26,12 +26,6 @@ def load_rows(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
 
 
 @triton.jit
-def load_chunk(ptr, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
-    """load_rows in fp32."""
-    return load_rows(ptr, t0, n, h, H, D, col0, BD).to(tl.float32)
-
-
-@triton.jit
 def store_chunk(ptr, x, t0, n, h, H, D: tl.constexpr, col0, BD: tl.constexpr):
     t, e = tl.arange(0, 64), col0 + tl.arange(0, BD)
     mask = (t < n)[:, None] & (e < D)[None, :]
