@@ -41,6 +41,9 @@ ours row, the others on ours_full rows):
 * ``+torch-rounds``: one-rank routing rounds as PyTorch ops instead of the Triton kernels
   (``moe_qb_rounds_impl: torch``);
 * ``+no-attnres``: standard residuals instead of Block AttnRes (``attn_res: false``: the technique's overhead);
+* ``+qb-bias``: the dual bias alone, no capacity routing (``moe_balancer: qb_bias``: the capacity mode's cost);
+* ``+rounds-6``: six overflow rounds instead of every one that can matter (``moe_qb_device_rounds: 6``: what the
+  rounds past the sixth cost; a pair they would have moved is dropped, and counted);
 * ``+step-graph``: the forward and backward replayed from one CUDA graph (``cuda_graph_step: true``; GPU only).
 
 They combine (``ours_full_16k+host-reads+no-attnres``). A name may repeat:

@@ -19,10 +19,13 @@ OPTION_KEYS = {
     "host-reads": {"moe_qb_host_reads": True, "moe_qb_cuda_graph": False},
     "torch-rounds": {"moe_qb_rounds_impl": "torch"},
     "no-attnres": {"attn_res": False},
+    "qb-bias": {"moe_balancer": "qb_bias", "moe_expert_capacity_factor": None},
+    "rounds-6": {"moe_qb_device_rounds": 6},
     "step-graph": {"cuda_graph_step": True},
 }
 # The rows each option applies to (by name prefix): the capacity-routing and AttnRes options need ours_full.
-OPTION_ROWS = {"host-reads": "ours_full", "torch-rounds": "ours_full", "no-attnres": "ours_full", "step-graph": "ours"}
+OPTION_ROWS = {"host-reads": "ours_full", "torch-rounds": "ours_full", "no-attnres": "ours_full", "qb-bias": "ours_full",
+               "rounds-6": "ours_full", "step-graph": "ours"}
 ROW_OPTIONS = tuple(OPTION_KEYS)
 STOCK_ATTENTION = {"stock": "DotProductAttention", "stock_sdpa": "SDPA"}  # stock rows -> core attention
 GPU_SIZES = dict(
