@@ -43,38 +43,48 @@ def _bin_of(score, lo, scale, NUM_BINS: tl.constexpr):
 def propose_kernel(scores, preference, held, room, proposals, hist, last_flags, N, lo, scale, E: tl.constexpr,
                    EP: tl.constexpr, K: tl.constexpr, NUM_BINS: tl.constexpr, BN: tl.constexpr):
     if tl.load(last_flags + 1) != 0:  # the last round refused a proposal: someone may still move
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        j = tl.arange(0, EP)
-        ok = (n < N)[:, None] & (j < E)[None, :]
-        row = n.to(tl.int64)[:, None] * E
-        expert = tl.load(preference + row + j[None, :], mask=ok, other=0)
-        holds = tl.load(held + row + expert, mask=ok, other=0) != 0
-        free = K - tl.sum(holds.to(tl.int32), 1)
-        available = ok & ~holds & (tl.load(room + expert, mask=ok, other=0) > 0)
-        ahead = tl.cumsum(available.to(tl.int32), 1)
-        propose = available & (ahead <= free[:, None])
-        tl.store(proposals + row + expert, propose.to(tl.int8), mask=ok)
-        bins = _bin_of(tl.load(scores + row + expert, mask=ok, other=0.0), lo, scale, NUM_BINS)
-        tl.atomic_add(hist + expert * NUM_BINS + bins, 1, mask=propose, sem="relaxed")
+        _propose_tokens(scores, preference, held, room, proposals, hist, tl.program_id(0), N, lo, scale, E, EP, K,
+                        NUM_BINS, BN, "")
+
+
+@triton.jit
+def _propose_tokens(scores, preference, held, room, proposals, hist, tile, N, lo, scale, E: tl.constexpr,
+                    EP: tl.constexpr, K: tl.constexpr, NUM_BINS: tl.constexpr, BN: tl.constexpr,
+                    SHARED: tl.constexpr):
+    """Tokens tile * BN .. + BN - 1 propose (``SHARED``: the cache modifier of loads of what other programs of
+    this launch wrote, held and room)."""
+    n = tile * BN + tl.arange(0, BN)
+    j = tl.arange(0, EP)
+    ok = (n < N)[:, None] & (j < E)[None, :]
+    row = n.to(tl.int64)[:, None] * E
+    expert = tl.load(preference + row + j[None, :], mask=ok, other=0)
+    holds = tl.load(held + row + expert, mask=ok, other=0, cache_modifier=SHARED) != 0
+    free = K - tl.sum(holds.to(tl.int32), 1)
+    available = ok & ~holds & (tl.load(room + expert, mask=ok, other=0, cache_modifier=SHARED) > 0)
+    ahead = tl.cumsum(available.to(tl.int32), 1)
+    propose = available & (ahead <= free[:, None])
+    tl.store(proposals + row + expert, propose.to(tl.int8), mask=ok)
+    bins = _bin_of(tl.load(scores + row + expert, mask=ok, other=0.0), lo, scale, NUM_BINS)
+    tl.atomic_add(hist + expert * NUM_BINS + bins, 1, mask=propose, sem="relaxed")
 
 
 @triton.jit
 def admit_kernel(scores, held, room, proposals, hist, last_flags, flags, admitted, N, lo, scale, E: tl.constexpr,
                  NUM_BINS: tl.constexpr, BINS_P: tl.constexpr, BT: tl.constexpr):
     if tl.load(last_flags + 1) != 0:  # else the propose kernel skipped this round too: nothing to admit
-        _admit_expert(scores, held, room, proposals, hist, flags, admitted, N, lo, scale, E, NUM_BINS, BINS_P, BT)
+        _admit_expert(scores, held, room, proposals, hist, flags, admitted, tl.program_id(0), N, lo, scale, E,
+                      NUM_BINS, BINS_P, BT, "")
 
 
 @triton.jit
-def _admit_expert(scores, held, room, proposals, hist, flags, admitted, N, lo, scale, E: tl.constexpr,
-                  NUM_BINS: tl.constexpr, BINS_P: tl.constexpr, BT: tl.constexpr):
-    e = tl.program_id(0)
+def _admit_expert(scores, held, room, proposals, hist, flags, admitted, e, N, lo, scale, E: tl.constexpr,
+                  NUM_BINS: tl.constexpr, BINS_P: tl.constexpr, BT: tl.constexpr, SHARED: tl.constexpr):
     b = tl.arange(0, BINS_P)
-    counts = tl.load(hist + e * NUM_BINS + b, mask=b < NUM_BINS, other=0)
+    counts = tl.load(hist + e * NUM_BINS + b, mask=b < NUM_BINS, other=0, cache_modifier=SHARED)
     tl.store(hist + e * NUM_BINS + b, tl.zeros([BINS_P], tl.int32), mask=b < NUM_BINS)  # the next round's
     cum = tl.cumsum(counts, 0)
     demand = tl.sum(counts, 0)
-    room_e = tl.load(room + e)
+    room_e = tl.load(room + e, cache_modifier=SHARED)
     excess = demand - room_e
     boundary = tl.minimum(tl.sum((cum <= excess).to(tl.int32), 0), NUM_BINS - 1)
     quota = tl.sum(tl.where(b == boundary, cum, 0), 0) - excess
@@ -87,13 +97,52 @@ def _admit_expert(scores, held, room, proposals, hist, flags, admitted, N, lo, s
         for start in range(0, N, BT):
             n = start + tl.arange(0, BT)
             at = n.to(tl.int64) * E + e
-            propose = tl.load(proposals + at, mask=n < N, other=0) != 0
+            propose = tl.load(proposals + at, mask=n < N, other=0, cache_modifier=SHARED) != 0
             bins = _bin_of(tl.load(scores + at, mask=propose, other=0.0), lo, scale, NUM_BINS)
             at_boundary = propose & (bins == boundary)
             place = taken + tl.cumsum(at_boundary.to(tl.int32), 0)
             admit = (propose & (bins > boundary)) | (at_boundary & (place <= quota))
             tl.store(held + at, tl.full([BT], 1, tl.int8), mask=admit)
             taken += tl.sum(at_boundary.to(tl.int32), 0)
+
+
+@triton.jit
+def _grid_sync(arrivals, target):
+    """Every program of the launch waits here until ``target`` arrivals are counted (each sync adds one per
+    program; the caller counts them). Release / acquire at GPU scope order each program's earlier stores before
+    the others' later loads; those loads bypass L1 (``.cg``), which is not coherent between SMs."""
+    tl.debug_barrier()
+    tl.atomic_add(arrivals, 1, sem="release", scope="gpu")
+    seen = tl.atomic_add(arrivals, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(arrivals, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def rounds_kernel(scores, preference, held, room, proposals, hist, flags, admitted, arrivals, first, count, N, lo,
+                  scale, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, NUM_BINS: tl.constexpr,
+                  BINS_P: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr):
+    """Rounds first .. first + count - 1 in one launch: each is the propose kernel's work over the token tiles and
+    the admit kernel's over the experts, shared out among the programs, with a grid-wide sync after each half.
+    ``flags`` is the flag table (row r: before step r; step r writes row r + 1). The programs must all be resident
+    at once (at most one per SM; one under the interpreter, which runs programs in turn). A round after one that
+    refused nothing costs one load: every program reads the same flags after the last sync and skips it."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    tiles = tl.cdiv(N, BN)
+    syncs = pid * 0
+    for step in range(first, first + count):
+        if tl.load(flags + step * 2 + 1, cache_modifier=".cg") != 0:
+            for tile in range(pid, tiles, programs):
+                _propose_tokens(scores, preference, held, room, proposals, hist, tile, N, lo, scale, E, EP, K,
+                                NUM_BINS, BN, ".cg")
+            syncs += 1
+            _grid_sync(arrivals, syncs * programs)
+            for e in range(pid, E, programs):
+                _admit_expert(scores, held, room, proposals, hist, flags + (step + 1) * 2, admitted, e, N, lo, scale,
+                              E, NUM_BINS, BINS_P, BT, ".cg")
+            syncs += 1
+            _grid_sync(arrivals, syncs * programs)
 
 
 @triton.jit
@@ -121,6 +170,14 @@ def result_kernel(preference, held, room, experts, dropped, rerouted, load, N, c
 
 def tokens_per_program(num_experts):
     return max(1, TOKEN_TILE // triton.next_power_of_2(num_experts))
+
+
+def _resident_programs(device: torch.device) -> int:
+    """Programs of :func:`rounds_kernel` sure to be resident together: one per SM on a GPU (a 4-warp program
+    fits any SM); one under the interpreter, which runs the programs of a launch one after another."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class KernelRounds:
@@ -165,6 +222,25 @@ class KernelRounds:
                                      self.flags[self.steps], self.admitted, num_tokens, self.lo, self.scale,
                                      BINS_P=triton.next_power_of_2(self.num_bins), BT=ADMIT_TOKENS, **shape)
         self.steps += 1
+
+    def step_many(self, count: int) -> None:
+        """``count`` steps in one launch (:func:`rounds_kernel`): the same rounds as ``count`` calls of
+        :meth:`step`, without a launch for each round after the last useful one."""
+        if count <= 0:
+            return
+        if self.steps + count > self.flags.shape[0]:
+            raise RuntimeError(f"KernelRounds: {count} more rounds would pass max_steps={self.flags.shape[0]} "
+                               f"({self.steps} ran)")
+        num_tokens, num_experts = self.held.shape
+        work = max(self.token_grid[0], num_experts)
+        programs = min(work, _resident_programs(self.held.device))
+        arrivals = torch.zeros(1, dtype=torch.int32, device=self.held.device)
+        rounds_kernel[(programs,)](self.scores, self.preference, self.held, self.room, self.proposals, self.hist,
+                                   self._flags, self.admitted, arrivals, self.steps, count, num_tokens, self.lo,
+                                   self.scale, E=num_experts, K=self.k, NUM_BINS=self.num_bins,
+                                   BINS_P=triton.next_power_of_2(self.num_bins), BT=ADMIT_TOKENS,
+                                   num_warps=NUM_WARPS, **self.token_tile)
+        self.steps += count
 
     def result(self):
         """int64 (experts ``[N, k]``: held experts in preference order, then -1; dropped pairs; rerouted pairs,

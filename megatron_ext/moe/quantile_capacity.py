@@ -175,8 +175,7 @@ class CapacityRouting:
             if not refused:
                 return rounds.result(1 if proposed else 0, scores.shape[0] * k, plain=True)
         rounds.admit_first()
-        for _ in range(overflow_rounds):
-            rounds.step()
+        rounds.steps(overflow_rounds)
         if not host_reads:
             return rounds.result(1 + overflow_rounds, None)
         # The second read: rounds that did something, whether a further round could move a token, kept pairs.

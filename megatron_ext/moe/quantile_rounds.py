@@ -4,7 +4,8 @@ on the top-k columns, later rounds on dense ``[N, E]`` masks, :class:`_Overflow`
 Triton kernels on one CUDA rank (``kimi_kernels/moe_routing``). Also the capacity itself (:func:`expert_capacity`).
 
 The interface: ``first()`` runs round 1's proposals and global histogram (the kernels run the whole round);
-``first_refused_and_proposed()``; ``admit_first()``; ``step()`` (one overflow round); device scalars
+``first_refused_and_proposed()``; ``admit_first()``; ``step()`` (one overflow round); ``steps(n)`` (n of them,
+one launch on the kernels); device scalars
 ``active()`` (overflow rounds with a proposal), ``refused()`` / ``proposed()`` (of the last round) and
 ``kept_pairs()``; ``result(rounds, kept, plain=False)`` -> :class:`RoundsResult`.
 """
@@ -101,6 +102,10 @@ class TorchRounds:
                                       self.lo, self.hi, self.group)
         self.overflow.step()
 
+    def steps(self, count: int) -> None:
+        for _ in range(count):
+            self.step()
+
     def active(self):  # overflow rounds in which someone proposed
         return self.overflow.active if self.overflow is not None else torch.zeros_like(self.demand[0])
 
@@ -151,6 +156,9 @@ class KernelRounds:
 
     def step(self) -> None:
         self.rounds.step()
+
+    def steps(self, count: int) -> None:  # one launch for all of them
+        self.rounds.step_many(count)
 
     def active(self):
         return self.rounds.flags[1:self.rounds.steps, 0].sum()

@@ -150,6 +150,34 @@ def test_a_round_after_one_that_refused_nothing_skips_on_the_device():
 
 
 @interpreter_case
+@pytest.mark.parametrize("first_steps,max_steps", [(1, 12), (3, 12), (1, 4)])
+def test_rounds_in_one_launch_equal_one_launch_each(first_steps, max_steps):
+    """``step_many`` (every round in one launch, the programs in step through a grid-wide sync) leaves the state
+    one launch per round leaves, bit for bit: held experts, room, every round's flags, admitted pairs and the
+    result; rounds after the last useful one write nothing. Under the interpreter the launch has one program (the
+    GPU tests run it at one per SM through capacity_routing). More rounds than max_steps are refused."""
+    from kimi_kernels.moe_routing import kernel_rounds
+    from megatron_ext.moe.quantile_capacity import expert_capacity
+
+    scores, bias = make_scores(300, 16, 2.0, seed=5)
+    engines = [kernel_rounds(scores, 4, expert_capacity(300, 4, 16, 0.9), bias, 64, (0.0, 1.0), max_steps)
+               for _ in range(2)]
+    each, together = engines
+    for _ in range(max_steps):
+        each.step()
+    for _ in range(first_steps):
+        together.step()
+    together.step_many(max_steps - first_steps)
+    for name in ("held", "room", "_flags", "admitted", "hist"):
+        assert torch.equal(getattr(each, name), getattr(together, name)), name
+    assert_same(together.result(), each.result())
+    useful = int(each.flags[:, 0].sum())
+    assert 2 < useful < max_steps if max_steps > 4 else useful == max_steps  # rounds skipped / all of them ran
+    with pytest.raises(RuntimeError, match="max_steps"):
+        together.step_many(1)
+
+
+@interpreter_case
 def test_an_expert_over_by_one_pair_is_not_plain_top_k():
     """8 tokens, top-1, 4 experts: capacity 2 and three tokens prefer expert 0. The first read must see its
     single refusal (a plain result would put 3 pairs on expert 0) and the next round moves that token."""
