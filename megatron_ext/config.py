@@ -95,7 +95,7 @@ class HybridConfig(TransformerConfig):
     # true: rounds until nothing can move, reading between them.
     moe_qb_host_reads: bool | None = None
     # true (needs no host reads): one-rank capacity routing on CUDA replayed from a CUDA graph per router
-    # (~12 launches on the Triton rounds, ~160 on the PyTorch ones -> 1); the eager call elsewhere.
+    # (~10 launches on the Triton rounds, ~160 on the PyTorch ones -> 1); the eager call elsewhere.
     moe_qb_cuda_graph: bool | None = None
     # Capacity routing's rounds: "auto" = Triton kernels (kimi_kernels/moe_routing) on one CUDA rank, PyTorch ops on a
     # capacity group and off CUDA; "torch" = always the PyTorch ops (same routing; for A/B runs and as a fallback);

@@ -1,4 +1,5 @@
-"""Triton rounds of one-rank capacity routing: two kernels per round instead of ~40 PyTorch ops.
+"""Triton rounds of one-rank capacity routing: two kernels per round instead of ~40 PyTorch ops, or any number of
+rounds in one launch.
 
 State between kernels, all on the device (:class:`KernelRounds`): ``held [N, E]`` int8 (token n holds expert
 e), ``room [E]`` int32, the round's ``[E, num_bins]`` int32 histogram (the admit kernel zeroes its row after
@@ -8,8 +9,11 @@ ask after a round: per round ``flags = (anyone proposed, an expert refused)``, a
 Both kernels of a round first read the last round's flags and return at once when it refused nothing: then
 every token with a free slot already holds every expert with room, so the round could move nobody. A caller
 without host reads can therefore queue every round that could matter (``1 + E``: each refusing round fills an
-expert) and pay a few microseconds for each one after the last useful one, which is what makes the routing
-lossless without a host read (``quantile_capacity``; the rounds are replayed from a CUDA graph there).
+expert), which is what makes the routing lossless without a host read (``quantile_capacity``; the rounds are
+replayed from a CUDA graph there). ``rounds_kernel`` runs such a queue in one launch (``KernelRounds.step_many``):
+the two kernels' work per round shared out among one program per SM, with a grid-wide sync after each half, so a
+round after the last useful one costs a load instead of two launches (~100 launches per MoE layer at E = 64,
+most of them such rounds: ~1 ms of an ``ours_full`` step on an H100, docs/benchmarks.md).
 
 * ``propose_kernel`` (program per TOKEN_TILE / E tokens): walks each token's preference order
   (``argsort`` of the biased scores, stable, best first), proposes to the first ``k - held`` experts it

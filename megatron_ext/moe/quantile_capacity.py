@@ -30,8 +30,9 @@ and the kept-pair count stays on the device (a one-rank dispatcher then keeps st
 the layer has no host sync, as CUDA-graph capture needs. ``device_rounds=None`` then means every round
 that can matter (:func:`rounds_that_can_matter`: on one rank ``min(E, N k // C)`` overflow rounds, 51 of 64
 experts at capacity factor 1.25): the same routing as with host reads, nothing dropped that they would place. The Triton
-rounds return at once after the last useful one, so on one CUDA rank, replayed from a CUDA graph, this is
-one graph launch per call for the whole lossless routing; the PyTorch rounds run each no-op round in full.
+rounds run the overflow rounds in one launch that skips the rounds after the last useful one, so on one CUDA rank,
+replayed from a CUDA graph, this is one graph launch per call for the whole lossless routing; the PyTorch rounds run
+each no-op round in full.
 A smaller ``device_rounds`` stops early and drops a token that could still move (the result of
 ``host_reads=True`` with ``max_rounds = 1 + device_rounds``).
 
@@ -244,8 +245,8 @@ def _read(*scalars: torch.Tensor) -> list[int]:
 # --- CUDA-graph replay (moe_qb_cuda_graph) -----------------------------------------------------------------------
 #
 # Without host reads and with a one-rank capacity group, one call is a fixed sequence of small kernels on [N, E]:
-# ~12 launches on the Triton rounds, ~160 as PyTorch ops with two overflow rounds (N = 16384, E = 64, k = 8), which
-# were about 40% of the all-techniques benchmark step's ~3,000 launches on a step bound by the host's launch rate
+# ~10 launches on the Triton rounds (every overflow round in one), ~160 as PyTorch ops with two overflow rounds
+# (N = 16384, E = 64, k = 8), which were about 40% of the all-techniques benchmark step's ~3,000 launches on a step bound by the host's launch rate
 # (docs/quantile_balancing.md, "Host reads"). Captured once per shape, a call becomes one copy of the scores into
 # the graph's input and one graph launch; the gates, the only differentiable part, are computed outside the graph
 # from the unbiased scores as the eager call does.
