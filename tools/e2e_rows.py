@@ -24,8 +24,8 @@ OPTION_KEYS = {
     "step-graph": {"cuda_graph_step": True},
 }
 # The rows each option applies to (by name prefix): the capacity-routing and AttnRes options need ours_full.
-OPTION_ROWS = {"host-reads": "ours_full", "torch-rounds": "ours_full", "no-attnres": "ours_full", "qb-bias": "ours_full",
-               "rounds-6": "ours_full", "step-graph": "ours"}
+OPTION_ROWS = {"host-reads": "ours_full", "torch-rounds": "ours_full", "no-attnres": "ours_full",
+               "qb-bias": "ours_full", "rounds-6": "ours_full", "step-graph": "ours"}
 ROW_OPTIONS = tuple(OPTION_KEYS)
 STOCK_ATTENTION = {"stock": "DotProductAttention", "stock_sdpa": "SDPA"}  # stock rows -> core attention
 GPU_SIZES = dict(
