@@ -59,6 +59,7 @@ import triton
 
 from kimi_kernels.attn_res.fwd_kernel import _depth_attention_fwd_kernel
 from kimi_kernels.attn_res.preload_bwd import _depth_attention_bwd_preload_kernel, _depth_attention_finish_kernel  # noqa: F401
+from kimi_kernels.device import sm_count
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ def _one_wave(device: torch.device, kernel, args, kwargs, num_warps: int) -> int
     if device.type != "cuda":
         return 2  # interpreter: still exercises the per-program loop
     per_sm = _programs_per_sm(kernel, args, kwargs, num_warps, device)
-    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * sm_count(device)
 
 
 def _packable(hidden: int, *tensors) -> bool:

@@ -11,6 +11,7 @@ from types import MappingProxyType
 import torch
 import triton
 
+from kimi_kernels.device import sm_count
 from kimi_kernels.kda.gate import GATE_GIVEN, gate_cumsum_kernel
 from kimi_kernels.kda.inter_bwd import inter_bwd_kernel
 from kimi_kernels.kda.intra import intra_fwd_kernel
@@ -111,16 +112,10 @@ def state_config(num_seqs: int, H: int, V: int, device) -> MappingProxyType:
     return STATE_CONFIGS[-1]
 
 
-@functools.cache
-def _sm_count_of(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _sm_count(device) -> int:
-    device = torch.device(device)
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return 1  # the CPU interpreter: any config is correct, take the wide one
-    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device)
 
 
 def _block_k(K):

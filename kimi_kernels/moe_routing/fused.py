@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_kernels.device import sm_count
+
 # (token, expert) entries per program of the token-parallel kernels: 16 tokens at E = 64, 4 at E = 256
 TOKEN_TILE = 1024
 ADMIT_TOKENS = 1024
@@ -181,7 +183,7 @@ def _resident_programs(device: torch.device) -> int:
     fits any SM); one under the interpreter, which runs the programs of a launch one after another."""
     if device.type != "cuda":
         return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 class KernelRounds:

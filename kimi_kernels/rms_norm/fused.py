@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kimi_kernels.device import sm_count
 from kimi_kernels.layout import tokens_lie_apart
 
 # Elements per program (BLOCK_ROWS x BLOCK_N: narrow rows are stacked, h = 128 -> 32 rows forward) and per
@@ -119,7 +120,7 @@ def backward_programs(num_blocks: int, num_warps: int, device: torch.device) -> 
     configs allow at once), fewer when threads are the limit (2048 per SM). Each writes one fp32 row of dw
     partials: at [8192, 2048] on 132 SMs, 4 MiB written and read again against 96 MiB of x, dy and dx."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = sm_count(device)
         per_sm = max(1, min(PROGRAMS_PER_SM, 2048 // (32 * num_warps)))
         return max(1, min(num_blocks, sms * per_sm))
     return max(1, min(num_blocks, CPU_PROGRAMS))

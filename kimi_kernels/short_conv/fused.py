@@ -23,12 +23,13 @@ fp32 buffer that the caller sums afterwards: deterministic, no atomics. T is set
 BWD_PROGRAMS_PER_SM programs per SM, T + K - 1 a multiple of U).
 """
 
-import functools
 from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
+
+from kimi_kernels.device import sm_count
 
 # Forward tiles (time steps, channels, warps): channel tiles of 128 keep rows at 256 contiguous bytes in
 # bf16. Time tiles are short because the compiler issues all K shifted loads of a tile at once.
@@ -207,9 +208,8 @@ def bwd_config(kernel_size: int) -> dict:
     return cfg
 
 
-@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return sm_count(device) if device.type == "cuda" else 132
 
 
 def bwd_chunk(seq: int, batch: int, channels: int, kernel_size: int, device: torch.device) -> int:
