@@ -132,7 +132,8 @@ def rounds_kernel(scores, preference, held, room, proposals, hist, flags, admitt
     """Rounds first .. first + count - 1 in one launch: each is the propose kernel's work over the token tiles and
     the admit kernel's over the experts, shared out among the programs, with a grid-wide sync after each half.
     ``flags`` is the flag table (row r: before step r; step r writes row r + 1). The programs must all be resident
-    at once (at most one per SM; one under the interpreter, which runs programs in turn). A round after one that
+    at once (at most one per SM; one under the interpreter, which runs programs in turn): the launch is
+    cooperative, so the driver refuses a grid that cannot be (e.g. under an MPS thread limit) instead of a hang. A round after one that
     refused nothing costs one load: every program reads the same flags after the last sync and skips it."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     tiles = tl.cdiv(N, BN)
@@ -245,7 +246,7 @@ class KernelRounds:
                                    self._flags, self.admitted, arrivals, self.steps, count, num_tokens, self.lo,
                                    self.scale, E=num_experts, K=self.k, NUM_BINS=self.num_bins,
                                    BINS_P=triton.next_power_of_2(self.num_bins), BT=ADMIT_TOKENS,
-                                   num_warps=NUM_WARPS, **self.token_tile)
+                                   num_warps=NUM_WARPS, launch_cooperative_grid=True, **self.token_tile)
         self.steps += count
 
     def result(self):
