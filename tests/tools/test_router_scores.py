@@ -82,6 +82,11 @@ def test_bench_routing_routes_the_recorded_scores(recorded, tmp_path):
     for row in bench["results"]:
         if row["op"].startswith("capacity"):
             assert row["max_vio"] <= 0.25 + 1e-6  # capacity factor 1.25 bounds every expert
+    # the routing as training runs it (here the CPU's: reads, PyTorch rounds) routes as the lossless eager call
+    rows = {row["op"]: row for row in bench["results"]}
+    trained, eager = rows["capacity cf=1.25 as trained"], rows["capacity cf=1.25 reads torch"]
+    assert {key: trained[key] for key in ("dropped", "rerouted", "max_vio")} == {
+        key: eager[key] for key in ("dropped", "rerouted", "max_vio")}
 
 
 def _moe_router_sees(rank, world, path, variant):

@@ -11,14 +11,20 @@ Ops:
 * ``capacity_routing`` at each ``--capacity-factor`` (one process: no collectives timed;
   add one ``E x num_bins`` int64 all-reduce per round, see docs/quantile_balancing.md), with
   its round count (``rounds``; 1 for the top-k rows): with host reads (rounds until nothing
-  moves) and without (three rounds), each with the rounds as PyTorch ops (``torch``) and, on
-  CUDA, as the Triton kernels (``triton``; ``capacity_routing(..., rounds=...)``);
+  moves) and without (every round that can matter, ``rounds_that_can_matter``), each with the
+  rounds as PyTorch ops (``torch``) and, on CUDA, as the Triton kernels (``triton``;
+  ``capacity_routing(..., rounds=...)``), all eager;
+* ``as trained``: a ``CapacityRouting`` with its defaults, as one-rank training routes (on CUDA: Triton
+  rounds, no host reads, each call replayed from its CUDA graph; on the CPU: PyTorch rounds with reads);
 * ``dual_bias_histogram`` (per microbatch) and ``dual_bias_update`` (per step).
 
 Times are medians over ``--repeats`` calls (CUDA-synchronised). Prints a table and writes
-JSON to ``--out``. On a CPU machine use a smaller ``--num-tokens``:
+JSON to ``--out``. ``--profile`` then also prints the kernels of ``--repeats`` calls ``as trained`` at
+the first capacity factor (torch.profiler: device time per call, CPU time on the CPU). On a CPU machine use a smaller
+``--num-tokens``:
 
     python tools/dev/bench_routing.py [--out docs/bench/routing-h200.json]
+    python tools/dev/bench_routing.py --num-tokens 8192 --num-experts 64 --capacity-factor 1.25 --profile  # training's
     python tools/dev/bench_routing.py --num-tokens 4096 --repeats 5 --out /tmp/routing-cpu.json
 """
 
@@ -43,6 +49,7 @@ from megatron_ext.moe.quantile import (  # noqa: E402
     topk_routing,
 )
 from megatron_ext.moe.metrics import max_violation  # noqa: E402
+from megatron_ext.moe.quantile_capacity import CapacityRouting  # noqa: E402
 from megatron_ext.moe.router import expert_counts  # noqa: E402
 
 
@@ -59,6 +66,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of the calls as trained")
     parser.add_argument("--out", default="docs/bench/routing.json", help="JSON path ('' to skip)")
     return parser.parse_args(argv)
 
@@ -125,6 +133,9 @@ def main(argv=None):
                 return capacity_routing(scores, k, cf, bias=selection_bias, num_bins=args.num_bins,
                                         host_reads=host_reads, rounds=rounds)
             ops[f"capacity cf={cf:g} {label}"] = (run, lambda run=run: load_stats(run()))
+        trained = CapacityRouting(k, cf, num_bins=args.num_bins, device=device)
+        ops[f"capacity cf={cf:g} as trained"] = (lambda trained=trained: trained(scores, selection_bias),
+                                                 lambda trained=trained: load_stats(trained(scores, selection_bias)))
     ops["dual_bias_histogram"] = (lambda: dual_bias_histogram(scores, bias, k, lo, hi, args.num_bins), None)
     ops["dual_bias_update"] = (lambda: dual_bias_update(counts, lo, hi, k), None)
 
@@ -155,6 +166,26 @@ def main(argv=None):
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
+    if args.profile:
+        print(profile_calls(ops[f"capacity cf={args.capacity_factor[0]:g} as trained"][0], args.repeats, device))
+
+
+def profile_calls(call, calls: int, device: torch.device) -> str:
+    """The kernels of ``calls`` warm calls (a graph already captured), time per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tools.profile_tables import kernel_table
+
+    cuda = device.type == "cuda"
+    call()
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(calls):
+            call()
+        if cuda:
+            torch.cuda.synchronize(device)
+    return kernel_table(prof, calls, cuda=cuda, top=25)
 
 
 if __name__ == "__main__":
