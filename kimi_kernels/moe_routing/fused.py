@@ -133,8 +133,9 @@ def rounds_kernel(scores, preference, held, room, proposals, hist, flags, admitt
     the admit kernel's over the experts, shared out among the programs, with a grid-wide sync after each half.
     ``flags`` is the flag table (row r: before step r; step r writes row r + 1). The programs must all be resident
     at once (at most one per SM; one under the interpreter, which runs programs in turn): the launch is
-    cooperative, so the driver refuses a grid that cannot be (e.g. under an MPS thread limit) instead of a hang. A round after one that
-    refused nothing costs one load: every program reads the same flags after the last sync and skips it."""
+    cooperative, so the driver refuses a grid that cannot be (e.g. under an MPS thread limit) instead of a hang.
+    A round after one that refused nothing costs one load: every program reads the same flags after the last sync
+    and skips it."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     tiles = tl.cdiv(N, BN)
     syncs = pid * 0
