@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import bench_common  # noqa: E402
+from tools import bench_common, bench_training  # noqa: E402
 
 DEFAULT_OUT = "docs/bench/attnres-h200.json"
 GPU_MODEL = dict(
@@ -103,7 +103,7 @@ def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=No
     """Median step ms and peak GB of one model: forward+backward (Megatron schedule) + AdamW."""
     from megatron_ext.parallel import build_model_chunks
 
-    result = bench_common.time_training_step(
+    result = bench_training.time_training_step(
         lambda: build_model_chunks(config), config, config.vocab_size, shape["seq"], shape["micro_batch"],
         warmup, steps, profiler=profiler, manual_gc=manual_gc)
     return {"step_ms": result["step_ms"], "optimizer_ms": result["optimizer_ms"], "peak_mem_gb": result["peak_gb"]}
@@ -112,12 +112,12 @@ def time_training_step(config, shape: dict, steps: int, warmup: int, profiler=No
 def time_interleaved(configs: dict, shape: dict, warmup: int, rounds: int, steps_per_round: int,
                      manual_gc: bool = True) -> dict:
     """The models of ``configs`` (name -> config, the baseline first) resident at once, timed in alternating
-    rounds (``bench_common.time_interleaved_training_steps``)."""
+    rounds (``bench_training.time_interleaved_training_steps``)."""
     from megatron_ext.parallel import build_model_chunks
 
     models = {name: (lambda config=config: build_model_chunks(config), config) for name, config in configs.items()}
     first = next(iter(configs.values()))
-    return bench_common.time_interleaved_training_steps(
+    return bench_training.time_interleaved_training_steps(
         models, first.vocab_size, shape["seq"], shape["micro_batch"], warmup, rounds, steps_per_round,
         manual_gc=manual_gc)
 

@@ -109,7 +109,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tools import bench_common  # noqa: E402
+from tools import bench_common, bench_training  # noqa: E402
 from tools.e2e_results import (  # noqa: E402
     DATASHEET_PEAK_NAME, H200_DATASHEET_BF16_TFLOPS, format_table, median_rows, merge_calls, write_json,
 )
@@ -188,7 +188,7 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
         setup = variant_setup(name, args, cuda)
         row.update(config_fields(setup, cuda))
         steps, warmup = (args.warmup + 1 + PROFILE_ACTIVE_STEPS, 0) if profiler else (args.steps, args.warmup)
-        timing = bench_common.time_training_step(
+        timing = bench_training.time_training_step(
             setup.build, setup.config, args.sizes["vocab"], seq, micro_batch, warmup, steps,
             after_step=setup.after_step, profiler=profiler, fast_step=not stock,
             main_grad_dtype="fp32" if stock else args.main_grad_dtype, manual_gc=not args.automatic_gc,
@@ -207,8 +207,8 @@ def run_variant(name: str, args, cuda: bool, profiler=None) -> dict:
         destroy_parallel(groups_before)  # the next row builds them again
         try:  # after a CUDA error the synchronize in here raises too: the row says so, the JSON still comes
             device = torch.device("cuda") if cuda else torch.device("cpu")
-            bench_common.free_device_memory(device)
-            row["left_after_row"] = bench_common.device_memory_left(device)
+            bench_training.free_device_memory(device)
+            row["left_after_row"] = bench_training.device_memory_left(device)
         except Exception as exc:
             row["cleanup_error"] = f"{type(exc).__name__}: {exc}"[:400]
     return row

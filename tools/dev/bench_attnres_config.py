@@ -5,7 +5,7 @@ times the model a training config builds (default ``configs/h200.yaml``, the one
 64 experts, KDA 3:1, quantile balancing, Block AttnRes), which is too large for two copies on one GPU.
 So the two models are built afresh in alternating order (standard, AttnRes, AttnRes, standard, ...;
 ``--rounds`` of each), each timed over ``--steps`` training steps after ``--warmup`` (forward + backward +
-optimizer + the router-bias update, as ``launch/train.py`` steps; ``bench_common.time_training_step``).
+optimizer + the router-bias update, as ``launch/train.py`` steps; ``bench_training.time_training_step``).
 Reports the median step of each model's runs, the median of the per-round ratios, peak memory and the
 runs themselves. The batch is the config's ``micro_batch_size`` x ``seq_length`` (one micro-batch).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tools import bench_common  # noqa: E402
+from tools import bench_common, bench_training  # noqa: E402
 
 DEFAULT_CONFIG = "configs/h200.yaml"
 DEFAULT_OUT = "docs/bench/attnres-config-h200.json"
@@ -92,7 +92,7 @@ def time_alternating(configs: dict, train, rounds: int, steps: int, warmup: int,
     for r in range(rounds):
         for name in (list(configs) if r % 2 == 0 else list(reversed(configs))):
             config = configs[name]
-            result = bench_common.time_training_step(
+            result = bench_training.time_training_step(
                 lambda config=config: build(config), config, config.vocab_size, train.seq_length,
                 train.micro_batch_size, warmup, steps, after_step=lambda chunks: update_expert_biases(chunks, bias_group),
                 main_grad_dtype="auto")

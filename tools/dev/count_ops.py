@@ -268,7 +268,7 @@ def count_step(variant: str = "ours_full", warmup: int = 2) -> OpCounter:
     from megatron.core import parallel_state as ps
 
     from megatron_ext.training.step import forward_backward
-    from tools import bench_common, bench_e2e, e2e_rows
+    from tools import bench_common, bench_e2e, bench_training, e2e_rows
 
     args = bench_e2e.parse_args(["--smoke", "--variants", variant])
     bench_common.init_process_group(cuda=False)
@@ -277,8 +277,8 @@ def count_step(variant: str = "ours_full", warmup: int = 2) -> OpCounter:
         setup = e2e_rows.variant_setup(variant, args, cuda=False)
         build, config, after_step, seq, micro_batch = (setup.build, setup.config, setup.after_step, setup.seq,
                                                        setup.micro_batch)
-        chunks, optimizer = bench_common.build_training_state(build, config, fast_step=True)
-        batch = [bench_common.synthetic_batch(args.sizes["vocab"], seq, micro_batch, torch.device("cpu"))]
+        chunks, optimizer = bench_training.build_training_state(build, config, fast_step=True)
+        batch = [bench_training.synthetic_batch(args.sizes["vocab"], seq, micro_batch, torch.device("cpu"))]
         counter = OpCounter()
 
         def step():
