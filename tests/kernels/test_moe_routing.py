@@ -273,3 +273,29 @@ def test_kernels_equal_the_pytorch_rounds_on_gpu(num_experts):
     got = capacity_rounds(scores, 8, capacity, bias, 1000, (0.0, 1.0), 3)
     assert_same(got, torch_rounds(scores, 8, 1.0, bias, 1000, 3))
     assert got[2] > 0 and got[3].max() == capacity  # overflow was routed
+
+
+@pytest.mark.gpu
+def test_a_one_launch_grid_too_large_to_be_resident_is_refused_not_hung():
+    """The one-launch rounds sync across their grid, so every program must be resident at once. Launched as a
+    cooperative grid, a grid larger than the GPU holds (here 4096 token tiles, forced past the one-per-SM cap) is
+    refused by the driver instead of waiting forever in the first sync. A child process: a hang fails the test at
+    its timeout instead of stalling the suite."""
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    child = textwrap.dedent("""
+        import torch
+        from kimi_kernels.moe_routing import fused, kernel_rounds
+        fused._resident_programs = lambda device: 1 << 30  # as if every token tile could be resident
+        scores = torch.rand(65536, 64, device="cuda")
+        rounds = kernel_rounds(scores, 8, 7000, None, 1000, (0.0, 1.0), 4)
+        rounds.step()
+        rounds.step_many(3)
+        torch.cuda.synchronize()
+    """)
+    root = Path(__file__).resolve().parents[2]
+    ran = subprocess.run([sys.executable, "-c", child], cwd=root, capture_output=True, text=True, timeout=120)
+    assert ran.returncode != 0 and "cooperative" in ran.stderr.lower(), ran.stderr[-2000:]
