@@ -175,3 +175,66 @@ def test_sigterm_judges_the_signalled_run_and_that_the_resumed_one_goes_on(tmp_p
     assert not _sigterm_job(tmp_path / "b", monkeypatch, gap)["passed"]
     nonfinite = {**drifted, 25: {"lm_loss": float("nan")}}
     assert not _sigterm_job(tmp_path / "c", monkeypatch, nonfinite)["passed"]
+
+
+def test_a_sigterm_records_the_running_step_as_interrupted_and_runs_no_more(tmp_path, monkeypatch):
+    """The device call's time limit SIGTERMs the steps: the report keeps the finished step and the interrupted
+    one (nothing lost), the rest do not start, the exit status says SIGTERM, and the handler is put back."""
+    import argparse
+    import os
+    import signal
+    import time
+
+    ran = []
+
+    def finished(job):
+        ran.append("finished")
+        return {"passed": True}
+
+    def cut(job):
+        ran.append("cut")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler's exception ends the sleep
+        return {"passed": True}
+
+    def never(job):
+        ran.append("never")
+        return {"passed": True}
+
+    monkeypatch.setattr(acceptance, "STEPS", {"finished": finished, "cut": cut, "never": never})
+    out = tmp_path / "acceptance.json"
+    args = argparse.Namespace(out=str(out), work=str(tmp_path / "work"), config=str(acceptance.DEFAULT_CONFIG),
+                              extra="", steps="finished,cut,never", commit="abc1234")
+    before = signal.getsignal(signal.SIGTERM)
+    assert acceptance.run_steps(args) == 128 + signal.SIGTERM
+    assert ran == ["finished", "cut"] and signal.getsignal(signal.SIGTERM) is before
+    steps = json.loads(out.read_text())["steps"]
+    assert [(s["name"], s["passed"]) for s in steps] == [("finished", True), ("cut", False)]
+    assert "interrupted by SIGTERM" in steps[1]["why"] and steps[1]["step_seconds"] < 20
+
+
+def test_a_training_run_is_killed_when_its_step_is_interrupted(tmp_path, monkeypatch):
+    """A run has its own session (a signal to the steps does not reach it): an exception in the loop that watches
+    it (the SIGTERM handler's) kills it before going on, instead of leaving it training beside the next call."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    started, popen = [], subprocess.Popen
+
+    def sleeper(cmd, **kwargs):  # the run: a process that would outlive the step
+        started.append(popen([sys.executable, "-c", "import time; time.sleep(120)"], **kwargs))
+        return started[-1]
+
+    def interrupted(run_dir):
+        raise acceptance.Interrupted("SIGTERM")
+
+    monkeypatch.setattr(acceptance_runs.subprocess, "Popen", sleeper)
+    monkeypatch.setattr(acceptance_runs, "records", interrupted)
+    job = acceptance_runs.Job(work=tmp_path, checkpoints=tmp_path / "ckpt", config=acceptance.DEFAULT_CONFIG,
+                              extra=())
+    with pytest.raises(acceptance.Interrupted):
+        acceptance_runs.train(job, "B", timeout=60)
+    (run,) = started
+    assert run.returncode == -9 and not psutil.pid_exists(run.pid)

@@ -41,7 +41,10 @@ A checkpoint of this model with its optimizer state is ~46 GB (3.3B parameters: 
 and two moments) and the H200 machine has 64 GB of disk, so the steps keep one checkpoint at a time, in a tmpfs
 (``/dev/shm``) when it has room: the steps check what a checkpoint holds and how a resume continues, not the disk.
 Each run records when its first and last iteration were logged (start-up and save/load times follow from them);
-how a run is started, signalled and read back: ``tools/gpu/acceptance_runs.py``.
+how a run is started, signalled and read back: ``tools/gpu/acceptance_runs.py``. The report is written after every
+step; a SIGTERM (a device call's time limit) records the running step as interrupted, kills its training run
+(which has its own session, so the signal would not reach it and it would train on beside the next call's runs
+on a warm machine) and exits 143 without starting the rest.
 
 ``--config`` and ``--extra`` exist for a dry run of the script itself on the CPU (e.g. ``--config configs/tiny.yaml
 --extra="--expert-model-parallel-size 1"``); the GPU run uses the defaults.
@@ -305,7 +308,25 @@ def step_names(steps: str) -> list[str]:
     return names
 
 
+class Interrupted(BaseException):
+    """SIGTERM reached the steps (e.g. the device call's time limit): not a step's own failure."""
+
+
+def _interrupt(signum, frame):
+    raise Interrupted(signal.Signals(signum).name)
+
+
 def run_steps(args) -> int:
+    """Each step in turn, the report written after every one. A SIGTERM ends the running step (its training run
+    killed), records it as interrupted, writes the report and returns 143 without running the rest."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run_steps(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_steps(args) -> int:
     out = Path(args.out)
     work = Path(args.work)
     job = Job(work=work, checkpoints=checkpoint_root(work), config=Path(args.config).resolve(),
@@ -316,14 +337,20 @@ def run_steps(args) -> int:
     for name in step_names(args.steps):
         print(f"=== {name} {time.strftime('%H:%M:%S')}", flush=True)
         start = time.monotonic()
+        interrupted = False
         try:
             result = STEPS[name](job)
         except Exception as exc:  # a step's crash is its failure; the others still run
             result = {"passed": False, "why": f"{type(exc).__name__}: {exc}"}
+        except Interrupted as exc:
+            interrupted = True
+            result = {"passed": False, "why": f"interrupted by {exc} (the call's time limit?); later steps not run"}
         result = {"name": name, **result, "step_seconds": round(time.monotonic() - start, 1)}
         report["steps"].append(result)
         out.write_text(json.dumps(report, indent=1))  # after every step: nothing lost if the call is cut
         print(summary_line(name, result), flush=True)
+        if interrupted:
+            return 128 + signal.SIGTERM
     print("\n".join(summary_line(r["name"], r) for r in report["steps"]))
     return 0 if all(r.get("passed") is not False for r in report["steps"]) else 1
 

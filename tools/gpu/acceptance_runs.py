@@ -65,22 +65,29 @@ def train(job: Job, name: str, *flags: str, nproc: int = 1, kill_after: int | No
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     signalled, first_logged, last_logged, seen = None, None, None, 0
-    while proc.poll() is None:
-        if time.monotonic() - start > timeout:
-            kill_tree(proc.pid, signal.SIGKILL)
-            break
-        logged = records(run_dir)
-        if len(logged) > seen:
-            seen, last_logged = len(logged), round(time.monotonic() - start, 1)
-            if first_logged is None and on_first_log is not None:
-                on_first_log()
-            first_logged = first_logged or last_logged
-        if kill_after is not None and signalled is None and max(logged, default=0) >= kill_after:
-            kill_tree(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
-            signalled = time.monotonic()
-        time.sleep(0.2)
-    proc.wait()
-    log.close()
+    try:
+        while proc.poll() is None:
+            if time.monotonic() - start > timeout:
+                kill_tree(proc.pid, signal.SIGKILL)
+                break
+            logged = records(run_dir)
+            if len(logged) > seen:
+                seen, last_logged = len(logged), round(time.monotonic() - start, 1)
+                if first_logged is None and on_first_log is not None:
+                    on_first_log()
+                first_logged = first_logged or last_logged
+            if kill_after is not None and signalled is None and max(logged, default=0) >= kill_after:
+                kill_tree(proc.pid, sig) if sig == signal.SIGKILL else os.kill(proc.pid, sig)
+                signalled = time.monotonic()
+            time.sleep(0.2)
+    except BaseException:
+        # The run has its own session (kill_after signals it alone), so a signal ending this process would not
+        # reach it: without this it trained on beside the next call's runs on a warm machine.
+        kill_tree(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        proc.wait()
+        log.close()
     text = (run_dir / "log.txt").read_text()
     return {"rc": proc.returncode, "seconds": round(time.monotonic() - start, 1), "first_logged_s": first_logged,
             "signal_to_exit_s": round(time.monotonic() - signalled, 1) if signalled else None,
