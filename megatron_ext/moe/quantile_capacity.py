@@ -247,9 +247,9 @@ def _read(*scalars: torch.Tensor) -> list[int]:
 # Without host reads and with a one-rank capacity group, one call is a fixed sequence of small kernels on [N, E]:
 # ~10 launches on the Triton rounds (every overflow round in one), ~160 as PyTorch ops with two overflow rounds
 # (N = 16384, E = 64, k = 8), which were about 40% of the all-techniques benchmark step's ~3,000 launches on a step
-# bound by the host's launch rate (docs/quantile_balancing.md, "Host reads"). Captured once per shape, a call becomes one copy of the scores into
-# the graph's input and one graph launch; the gates, the only differentiable part, are computed outside the graph
-# from the unbiased scores as the eager call does.
+# bound by the host's launch rate (docs/quantile_balancing.md, "Host reads"). Captured once per shape, a call
+# becomes one copy of the scores into the graph's input and one graph launch; the gates, the only differentiable
+# part, are computed outside the graph from the unbiased scores as the eager call does.
 #
 # The graph reads ``bias`` where it lived at capture (the router's buffer, updated in place by the dual-bias step);
 # a bias at another address or another shape captures another graph. The graphs of all routers share one memory
